@@ -1,0 +1,20 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class ActorConfig:
+    group_size: int = 8  # G samples per prompt
+    groups_per_step: int = 16  # prompts per optimizer step
+    max_lag: int = 1  # staleness bound, in weight versions
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    use_n: bool = True  # one request with n=G, else G requests
+    concurrency_per_server: int = 64  # outstanding requests per server
+    request_timeout_s: float = 120.0
+    retries: int = 5
+    eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
+    eval_temperature: float = 0.0
+    reward_timeout_s: float = 10.0
+    reward_workers: int = 2
+    overlong_penalty: float = 0.0

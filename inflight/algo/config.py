@@ -1,0 +1,18 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class AlgoConfig:
+    loss: str = "grpo"  # grpo | ppo | decoupled_ppo | aipo
+    advantage: str = "group_mean"  # group_mean | leave_one_out
+    normalize_std: bool = False
+    normalization: str = "sequences"  # sequences | tokens | sequence_length
+    is_cap: float = 5.0  # grpo: truncated importance weight cap c (inf = plain REINFORCE weight, 0 = off)
+    clip_low: float = 0.2  # ppo / decoupled_ppo epsilon
+    clip_high: float = 0.2
+    behaviour_cap: float = 5.0  # decoupled_ppo: cap of pi_prox / mu
+    behaviour_cap_mode: str = "mask"  # mask | clamp
+    aipo_rho: float = 4.0
+    kl_coef: float = 0.0  # reference-model KL
+    kl_clamp: float = 10.0
+    entropy_coef: float = 0.0

@@ -1,0 +1,253 @@
+"""The two contracts of inflight, and the data that crosses them.
+
+1. Inference, over HTTP (any server that honours it plugs in; docs/inference-contract.md is the full text):
+   `POST /v1/chat/completions` (OpenAI-compatible + token_ids / prompt_token_ids / token_versions per choice),
+   `POST /init_process_group` and `POST /request_weight_update` (schemas below).
+2. Training, in Python: the `TrainEngine` protocol below (init, forward_logprobs, backward, optimizer_step,
+   named_weights).
+
+Also here: the `Sample` that flows from actor to trainer, the packed `TrainBatch` the trainer consumes, the
+`Task` interface of verifiable-reward tasks, and the `Stream` between actor and trainer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # torch is heavy; contracts stay importable without it
+    import torch
+
+# --------------------------------------------------------------------------------------------------------------
+# Inference contract: admin endpoints (the OpenAI-compatible part lives in inflight/engine/openai_api.py)
+# --------------------------------------------------------------------------------------------------------------
+
+WeightDType = Literal["float32", "bfloat16", "float16"]
+UpdateMode = Literal["keep", "interrupt"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InitProcessGroupRequest(_Strict):
+    """Join the weight-update process group. Rank 0 (the trainer) hosts a TCPStore at master_address:master_port;
+    each member builds the group directly on that store, no key prefix, separate from any default group."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="this server's first rank; the trainer is rank 0")
+    world_size: int = Field(ge=2)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    group_name: str = "inflight_weights"
+    timeout_s: float = Field(default=600.0, gt=0)
+
+
+class ParamInfo(_Strict):
+    name: str = Field(min_length=1)
+    shape: list[int]
+    dtype: WeightDType
+
+
+class WeightUpdateRequest(_Strict):
+    """Announce an update. Exactly one transport: `params` (one broadcast from rank 0 per tensor, in this order)
+    or `path` (a safetensors file readable on the server's host, e.g. under /dev/shm)."""
+
+    version: int = Field(ge=0)
+    params: list[ParamInfo] | None = None
+    path: str | None = None
+    mode: UpdateMode = "keep"
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "WeightUpdateRequest":
+        if (self.params is None) == (self.path is None):
+            raise ValueError("give exactly one of 'params' (process-group broadcast) or 'path' (safetensors file)")
+        if self.params is not None:
+            names = [p.name for p in self.params]
+            dup = {n for n in names if names.count(n) > 1}
+            if dup:
+                raise ValueError(f"duplicate tensor names: {sorted(dup)}")
+            if not names:
+                raise ValueError("'params' is empty")
+        return self
+
+
+class WeightUpdateResponse(BaseModel):
+    version: int
+    pause_s: float
+
+
+# Extension fields every choice of a chat/completion response carries (besides OpenAI's own):
+CHOICE_EXTENSIONS = ("token_ids", "prompt_token_ids", "token_versions")
+FinishReason = Literal["stop", "length", "abort"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Data: what the actor produces
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One generated completion, exactly as sampled (token ids and behaviour logprobs are never re-computed from
+    text), plus its reward. `versions[t]` is the weight version that produced completion token t."""
+
+    group_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour policy mu: the server's sampling logprob of each completion token
+    versions: list[int]
+    reward: float = 0.0
+    label: str = ""  # a Verdict value
+    finish_reason: str = "stop"
+    task_id: str = ""  # id of the TaskSample it answers
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_version(self) -> int:
+        return self.versions[0] if self.versions else -1
+
+    @property
+    def last_version(self) -> int:
+        return self.versions[-1] if self.versions else -1
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+Group = list[Sample]  # the G samples of one prompt (GRPO's group)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training contract
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainBatch:
+    """One packed micro-batch: whole samples laid end to end in a single row of T tokens.
+
+    Per-token tensors have shape [T] and index t describes the prediction of `input_ids[t]` from the tokens before
+    it in the same sample; `loss_mask` is 0 on prompt tokens and on the first token of every sample.
+    `num_samples_in_step` / `num_tokens_in_step` count the whole optimizer step (all micro-batches, all ranks), so
+    that losses normalise the same way however the step is split.
+    """
+
+    input_ids: "torch.Tensor"  # [T] long
+    position_ids: "torch.Tensor"  # [T] long, restarting at 0 for each sample
+    seq_lens: list[int]  # sample lengths in order; sum == T
+    loss_mask: "torch.Tensor"  # [T] float (1 = completion token that is trained)
+    advantages: "torch.Tensor"  # [T] float
+    behaviour_logprobs: "torch.Tensor"  # [T] float, mu (the server's)
+    versions: "torch.Tensor"  # [T] long, weight version that generated the token (-1 on prompt tokens)
+    sample_index: "torch.Tensor"  # [T] long, index of the sample (within this micro-batch) the token belongs to
+    num_samples_in_step: int = 1
+    num_tokens_in_step: int = 1
+    prox_logprobs: "torch.Tensor | None" = None  # pi_prox, decoupled PPO (trainer's weights before this step)
+    ref_logprobs: "torch.Tensor | None" = None  # reference model, for the KL term
+    temperature: float = 1.0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class LossFn(Protocol):
+    """An RL objective: per-token new logprobs [T] (with grad) and the batch -> (scalar loss, stats).
+    `entropy` is the per-token policy entropy [T] when the loss asked for it, else None."""
+
+    needs_entropy: bool
+
+    def __call__(
+        self, logprobs: "torch.Tensor", batch: TrainBatch, entropy: "torch.Tensor | None"
+    ) -> tuple["torch.Tensor", dict[str, float]]: ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """What every training backend (single device, FSDP2, ...) implements."""
+
+    version: int  # number of optimizer steps taken == the weight version it would publish
+
+    def init(self) -> None:
+        """Load weights (any HF causal LM by path), shard them if the backend shards, build optimizer + schedule."""
+
+    def forward_logprobs(self, batch: TrainBatch) -> "torch.Tensor":
+        """Per-token logprobs [T] of batch.input_ids under the current weights (temperature-aware), no grad."""
+
+    def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate the gradient of loss_fn on one micro-batch; return its stats."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero grads, advance `version`; return at least grad_norm and lr."""
+
+    def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """The full updated weights, one tensor at a time (gathered layer by layer when sharded), HF names."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tasks with verifiable rewards
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Verdict(str, enum.Enum):
+    correct = "correct"
+    wrong = "wrong"
+    no_answer = "no_answer"
+    truncated = "truncated"
+    error = "error"
+
+
+@dataclass
+class TaskSample:
+    id: str
+    messages: list[dict[str, str]]  # chat messages, OpenAI style
+    answer: str  # the gold answer, as text
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Verification:
+    reward: float
+    label: Verdict
+
+
+class Task(Protocol):
+    name: str
+
+    def train_samples(self, seed: int) -> Iterator[TaskSample]:
+        """An endless, seeded stream of training prompts."""
+
+    def eval_samples(self) -> list[TaskSample]:
+        """The held-out split (disjoint from training prompts)."""
+
+    def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
+        """Score a completion; a `length` finish without an answer is `truncated`."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The stream from actor to trainer
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Stream(Protocol):
+    """Ordered, at-least-once delivery of groups from producer (actor) to consumer (trainer)."""
+
+    def put(self, groups: list[Group]) -> None: ...
+
+    def get(self, max_groups: int, timeout_s: float | None = None) -> list[Group]: ...
+
+    def ack(self, position: int) -> None:
+        """The consumer has durably used everything up to `position` (for restart from the last ack)."""
+
+    @property
+    def produced(self) -> int: ...
+
+    @property
+    def consumed(self) -> int: ...
+
+
+RolloutFn = Callable[..., Any]  # async def rollout(task_sample, client) -> list[Sample]; see inflight/actor

@@ -1,0 +1,15 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    engine: str = "builtin"  # builtin | vllm | sglang
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 8100  # server k listens on base_port + k
+    dtype: str = "float32"  # float32 | bfloat16
+    max_batch: int = 128  # sequences decoded together
+    max_model_len: int = 512
+    max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)
+    api_key: str = ""
+    threads: int = 0  # torch threads per server (0 = torch's default)

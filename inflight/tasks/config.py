@@ -1,0 +1,21 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"  # arith | math_jsonl | reasoning_gym
+    seed: int = 0
+    eval_size: int = 200
+    # arith
+    digits: int = 2  # operands have 1..digits digits
+    terms: int = 2  # number of operands
+    operators: list[str] = field(default_factory=lambda: ["+"])
+    scratchpad: bool = False  # step-by-step solutions (the generation-heavy variant)
+    # math_jsonl
+    path: str = ""  # .jsonl or .parquet
+    question_field: str = "question"
+    answer_field: str = "answer"
+    eval_path: str = ""  # held-out file; empty = hold out the last eval_size rows of `path`
+    # reasoning_gym
+    dataset: str = ""  # a reasoning-gym dataset name, e.g. "basic_arithmetic"
+    system_prompt: str = ""

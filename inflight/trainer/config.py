@@ -1,0 +1,21 @@
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "single"  # single | fsdp2
+    num_processes: int = 1  # ranks for fsdp2
+    device: str = "cpu"
+    precision: str = "float32"  # float32 | bf16-mixed (GPU)
+    gradient_checkpointing: bool = False
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    total_steps: int = 1000  # for the cosine schedule
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 4096  # sequence-packing token budget of one micro-batch
+    threads: int = 0  # torch threads (0 = torch's default)
+    weight_transport: str = "process_group"  # process_group | file
+    protocol: str = "inflight"  # inflight | vllm | sglang (weight-update protocol of the servers)

@@ -1,0 +1,49 @@
+"""Shared fixtures. Models are built locally (no hub): a character-level tokenizer and a tiny causal LM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests share 2 cores with servers they start; one thread each keeps timings sane.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _build_tiny_model(out: Path) -> Path:
+    """A 'Qwen2-style' tiny LM (llama architecture, untied head) + char-level tokenizer with a chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = list("0123456789+-*=()/ .,?:\\{}abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n")
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None, padding_side="left"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|im_end|>"], bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Folder loadable by AutoModelForCausalLM / AutoTokenizer.from_pretrained (random weights)."""
+    return _build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
