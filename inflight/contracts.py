@@ -249,5 +249,11 @@ class Stream(Protocol):
     @property
     def consumed(self) -> int: ...
 
+    def publish_version(self, version: int) -> None:
+        """Trainer side: the weight version the servers now have (the actor's staleness bound reads it)."""
+
+    def trainer_version(self) -> int:
+        """Actor side: the last version the trainer published (-1 before any; 0 = initial weights)."""
+
 
 RolloutFn = Callable[..., Any]  # async def rollout(task_sample, client) -> list[Sample]; see inflight/actor
