@@ -4,11 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU wheel on this machine's disk (GPU users install their CUDA torch before this).
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
@@ -19,7 +18,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/inflight demo
 
-test: $(STAMP)
+# The Redis stream tests need a real redis-server (Debian package); install it when missing and we may.
+redis:
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
+
+test: $(STAMP) redis
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)

@@ -256,4 +256,4 @@ class Stream(Protocol):
         """Actor side: the last version the trainer published (-1 before any; 0 = initial weights)."""
 
 
-RolloutFn = Callable[..., Any]  # async def rollout(task_sample, client) -> list[Sample]; see inflight/actor
+RolloutFn = Callable[..., Any]  # async def rollout(task_sample, client, cfg) -> list[Sample]; see inflight/actor

@@ -13,8 +13,13 @@ class ActorConfig:
     concurrency_per_server: int = 64  # outstanding requests per server
     request_timeout_s: float = 120.0
     retries: int = 5
+    backoff_s: float = 0.2  # first retry delay; doubles each retry
+    probe_interval_s: float = 0.5  # how often a server out of rotation is probed (GET /health)
+    adapter: str = "builtin"  # response shape: builtin | vllm (see inflight/actor/adapters.py)
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     eval_temperature: float = 0.0
+    eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     overlong_penalty: float = 0.0
+    metrics_interval_s: float = 2.0  # how often the actor reports its metrics

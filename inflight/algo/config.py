@@ -5,9 +5,10 @@ from dataclasses import dataclass
 class AlgoConfig:
     loss: str = "grpo"  # grpo | ppo | decoupled_ppo | aipo
     advantage: str = "group_mean"  # group_mean | leave_one_out
-    normalize_std: bool = False
+    normalize_std: bool = False  # divide each group's advantages by (std(group) + std_eps)
+    std_eps: float = 1e-6
     normalization: str = "sequences"  # sequences | tokens | sequence_length
-    is_cap: float = 5.0  # grpo: truncated importance weight cap c (inf = plain REINFORCE weight, 0 = off)
+    is_cap: float = 5.0  # grpo: truncated importance weight cap c (inf = untruncated pi/mu, 0 = no weight)
     clip_low: float = 0.2  # ppo / decoupled_ppo epsilon
     clip_high: float = 0.2
     behaviour_cap: float = 5.0  # decoupled_ppo: cap of pi_prox / mu

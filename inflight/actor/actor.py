@@ -1,0 +1,255 @@
+"""The actor: turns prompts into scored groups as fast as the servers allow, never further ahead of the trainer than
+the staleness bound.
+
+One coroutine per group (rollout -> reward service -> completed list). A scheduler loop starts groups while
+
+    groups_started < (trainer_version + max_lag + 1) * groups_per_step        (AReaL's rule; max_lag=0: on-policy)
+
+with `trainer_version` read from the stream (published by the trainer, -1 before its first publish), and puts
+completed groups into the stream, oldest first. A group that fails (all retries spent) is logged, counted in
+`groups_failed`, and its slot is given back so that a fresh prompt replaces it: the trainer never waits for a group
+that will not come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from inflight.actor.config import ActorConfig
+from inflight.actor.evaluate import evaluate
+from inflight.actor.rollout import RolloutClient, RolloutFn, default_rollout
+from inflight.actor.server_pool import ServerPool
+from inflight.contracts import Group, Stream, Task, TaskSample, Verification
+
+log = logging.getLogger(__name__)
+
+MetricsSink = Callable[[dict[str, Any]], None]
+
+
+class Scorer(Protocol):
+    """The reward service (inflight.rewards.RewardService) as the actor uses it."""
+
+    async def score(self, items: list[tuple[str, TaskSample, str, int, int]]) -> list[Verification]: ...
+
+
+class _StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class ActorMetrics:
+    groups_started: int = 0
+    groups_completed: int = 0  # scored and handed to the stream
+    groups_failed: int = 0  # could not complete (reported in Actor.failures)
+    groups_cancelled: int = 0  # still running when a stop event came
+    samples_completed: int = 0
+    tokens_generated: int = 0
+    max_in_flight: int = 0
+    t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def in_flight(self) -> int:
+        return self.groups_started - self.groups_completed - self.groups_failed - self.groups_cancelled
+
+    def snapshot(self) -> dict[str, float]:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        return {
+            "actor/groups_started": self.groups_started,
+            "actor/groups_completed": self.groups_completed,
+            "actor/groups_failed": self.groups_failed,
+            "actor/groups_cancelled": self.groups_cancelled,
+            "actor/groups_in_flight": self.in_flight,
+            "actor/max_groups_in_flight": self.max_in_flight,
+            "actor/samples": self.samples_completed,
+            "actor/samples_per_s": self.samples_completed / dt,
+            "actor/tokens_per_s": self.tokens_generated / dt,
+            "actor/elapsed_s": dt,
+        }
+
+
+class Actor:
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        task: Task,
+        pool: ServerPool,
+        rewards: Scorer,
+        stream: Stream,
+        *,
+        rollout: RolloutFn = default_rollout,
+        model: str | None = None,  # None = ask the servers (GET /v1/models)
+        seed: int = 0,
+        max_groups: int = 0,  # 0 = no limit: stop after this many groups were delivered
+        max_seconds: float = 0.0,  # 0 = no limit
+        metrics_sink: MetricsSink | None = None,
+        poll_s: float = 0.02,
+    ):
+        if cfg.max_lag < 0 or cfg.groups_per_step < 1 or cfg.group_size < 1:
+            raise ValueError("actor needs max_lag >= 0, groups_per_step >= 1, group_size >= 1")
+        self.cfg, self.task, self.pool, self.rewards, self.stream = cfg, task, pool, rewards, stream
+        self.rollout = rollout
+        self.client = RolloutClient(pool, cfg, model)
+        self.prompts = task.train_samples(seed)
+        self.max_groups, self.max_seconds = max_groups, max_seconds
+        self.metrics_sink = metrics_sink
+        self.poll_s = poll_s
+        self.metrics = ActorMetrics()
+        self.start_log: list[tuple[int, int]] = []  # (group index, trainer version when it started)
+        self.failures: list[dict[str, Any]] = []
+        self.eval_results: list[dict[str, Any]] = []
+        self._done: list[tuple[int, Group]] = []  # completed, not yet in the stream
+        self._tasks: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------------------------------------ one group
+    def bound(self, trainer_version: int) -> int:
+        """How many groups may have been started (excluding failed ones) at this trainer version."""
+        return max(0, (trainer_version + self.cfg.max_lag + 1) * self.cfg.groups_per_step)
+
+    @property
+    def live_groups(self) -> int:
+        """Groups started that are (or will be) delivered: the count the staleness bound applies to."""
+        return self.metrics.groups_started - self.metrics.groups_failed
+
+    async def _run_group(self, index: int, ts: TaskSample, start_version: int) -> None:
+        try:
+            samples = await self.rollout(ts, self.client, self.cfg)
+            if not samples:
+                raise RuntimeError("the rollout returned no samples")
+            items = [
+                (s.meta.get("text", ""), ts, s.finish_reason, len(s.completion_ids), self.cfg.max_new_tokens)
+                for s in samples
+            ]
+            verdicts = await self.rewards.score(items)
+            for s, v in zip(samples, verdicts, strict=True):
+                s.group_id = f"g{index}"
+                s.reward = float(v.reward)
+                s.label = getattr(v.label, "value", str(v.label))
+                s.meta.update(group_index=index, start_version=start_version)
+            self._done.append((index, samples))
+        except Exception as exc:  # reported and counted, never silently dropped
+            self.metrics.groups_failed += 1
+            self.failures.append({"group_index": index, "task_id": ts.id, "error": f"{type(exc).__name__}: {exc}"})
+            log.error("group %d (prompt %s) failed: %s: %s", index, ts.id, type(exc).__name__, exc)
+        finally:
+            if self._wake is not None:
+                self._wake.set()
+
+    def _start_group(self, trainer_version: int) -> asyncio.Task:
+        index = self.metrics.groups_started
+        self.metrics.groups_started += 1
+        self.metrics.max_in_flight = max(self.metrics.max_in_flight, self.metrics.in_flight)
+        self.start_log.append((index, trainer_version))
+        t = asyncio.create_task(self._run_group(index, next(self.prompts), trainer_version))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _flush(self) -> list[Group]:
+        """Put completed groups into the stream, oldest first (lowest first version, then start order)."""
+        if not self._done:
+            return []
+        done = sorted(self._done, key=lambda d: (min(s.first_version for s in d[1]), d[0]))
+        self._done = []
+        groups = [g for _, g in done]
+        await self._deliver(groups)
+        return groups
+
+    async def _deliver(self, groups: list[Group], put: bool = True) -> None:
+        if put:  # a stream's put may block (bounded queue, network): keep the event loop free
+            await asyncio.to_thread(self.stream.put, groups)
+        self.metrics.groups_completed += len(groups)
+        self.metrics.samples_completed += sum(len(g) for g in groups)
+        self.metrics.tokens_generated += sum(len(s.completion_ids) for g in groups for s in g)
+
+    # ------------------------------------------------------------------------------------------------ main loop
+    def _limit_reached(self) -> bool:
+        if self.max_groups and self.live_groups >= self.max_groups:
+            return True
+        return bool(self.max_seconds) and time.monotonic() - self.metrics.t0 >= self.max_seconds
+
+    async def run(self, stop_event: _StopFlag | None = None) -> dict[str, Any]:
+        """Generate until `stop_event` is set or a limit is reached; returns the final metrics."""
+        self._wake = asyncio.Event()
+        last_eval: int | None = None
+        eval_task: asyncio.Task | None = None
+        next_report = time.monotonic() + self.cfg.metrics_interval_s
+        stopped = False
+        while True:
+            if stop_event is not None and stop_event.is_set():
+                stopped = True
+                break
+            tv = self.stream.trainer_version()
+            if self.cfg.eval_every > 0 and tv >= 0 and (last_eval is None or tv >= last_eval + self.cfg.eval_every):
+                if eval_task is None or eval_task.done():
+                    last_eval = tv
+                    eval_task = asyncio.create_task(self._evaluate())
+            while not self._limit_reached() and self.live_groups < self.bound(tv):
+                self._start_group(tv)
+            await self._flush()
+            if self._limit_reached() and self.metrics.in_flight == 0:
+                break
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + self.cfg.metrics_interval_s
+                self._report()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.poll_s)
+            except asyncio.TimeoutError:
+                pass
+        if not stopped and eval_task is not None:  # limits reached: let a running evaluation finish
+            await eval_task
+        groups = list(self._tasks)
+        pending = groups + ([eval_task] if eval_task is not None and not eval_task.done() else [])
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self.metrics.groups_cancelled += sum(t.cancelled() for t in groups)
+        try:
+            await self._flush()  # groups that completed before the stop still go out
+        except Exception as exc:  # e.g. the launcher closed the stream while shutting down
+            if not stopped:
+                raise
+            log.warning("actor stopping: could not hand over the last groups: %s: %s", type(exc).__name__, exc)
+        if stopped:
+            log.info("actor stopped by its stop event; %d groups cancelled", self.metrics.groups_cancelled)
+        return self._report()
+
+    async def generate_round(self, num_groups: int, put: bool = True) -> list[Group]:
+        """Sync mode: generate exactly `num_groups` groups now (no staleness bound: the caller holds the weights
+        fixed), wait for all of them, put them in the stream (if `put`) and return them in start order. Failed
+        groups are replaced by fresh prompts, up to `num_groups` replacements, then RuntimeError."""
+        self._wake = asyncio.Event()
+        first, tv, attempts = self.metrics.groups_started, self.stream.trainer_version(), 0
+        while (todo := num_groups - sum(1 for i, _ in self._done if i >= first)) > 0:
+            if attempts >= 2 * num_groups:
+                raise RuntimeError(f"generate_round: {self.metrics.groups_failed} groups failed; see actor.failures")
+            attempts += todo
+            await asyncio.gather(*(self._start_group(tv) for _ in range(todo)))
+        mine = sorted((d for d in self._done if d[0] >= first), key=lambda d: d[0])
+        self._done = [d for d in self._done if d[0] < first]
+        groups = [g for _, g in mine]
+        await self._deliver(groups, put)
+        return groups
+
+    # ------------------------------------------------------------------------------------------------ reporting
+    async def _evaluate(self) -> None:
+        try:
+            res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model)
+        except Exception as exc:
+            log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
+            return
+        res["trainer_version"] = self.stream.trainer_version()
+        self.eval_results.append(res)
+        if self.metrics_sink is not None:
+            self.metrics_sink({"kind": "eval", **res})
+
+    def _report(self) -> dict[str, Any]:
+        snap: dict[str, Any] = {**self.metrics.snapshot(), **self.pool.stats()}
+        if self.metrics_sink is not None:
+            self.metrics_sink({"kind": "actor", **snap})
+        return snap

@@ -1,0 +1,105 @@
+"""Read generated tokens out of a chat-completion response, whatever server produced it.
+
+Each server family puts the sampled token ids, their logprobs and the weight versions in slightly different places;
+an adapter turns one response into a list of `Completion`s (one per choice), exactly as the server returned them.
+To support another server, write `parse_x(response_json) -> list[Completion]` and add it to `ADAPTERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class ResponseError(ValueError):
+    """A response that does not carry what the inference contract promises (a server bug, never retried)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each generated token, as sampled
+    versions: list[int]  # weight version that produced each generated token
+    finish_reason: str
+
+
+def _logprobs(choice: dict[str, Any]) -> list[float]:
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        raise ResponseError("choice has no logprobs.content (send logprobs=true)")
+    return [float(c["logprob"]) for c in content]
+
+
+def _check(c: Completion) -> Completion:
+    n = len(c.token_ids)
+    if len(c.logprobs) != n or len(c.versions) != n:
+        raise ResponseError(
+            f"inconsistent choice: {n} token_ids, {len(c.logprobs)} logprobs, {len(c.versions)} token_versions"
+        )
+    return c
+
+
+def parse_builtin(resp: dict[str, Any]) -> list[Completion]:
+    """inflight's own server: every choice carries token_ids, prompt_token_ids and token_versions."""
+    out = []
+    for ch in sorted(resp.get("choices", []), key=lambda c: c.get("index", 0)):
+        missing = [k for k in ("token_ids", "prompt_token_ids", "token_versions") if ch.get(k) is None]
+        if missing:
+            raise ResponseError(f"choice lacks the contract's extension fields {missing}")
+        out.append(
+            _check(
+                Completion(
+                    text=(ch.get("message") or {}).get("content") or "",
+                    prompt_ids=[int(t) for t in ch["prompt_token_ids"]],
+                    token_ids=[int(t) for t in ch["token_ids"]],
+                    logprobs=_logprobs(ch),
+                    versions=[int(v) for v in ch["token_versions"]],
+                    finish_reason=ch.get("finish_reason") or "stop",
+                )
+            )
+        )
+    if not out:
+        raise ResponseError("response has no choices")
+    return out
+
+
+def parse_vllm(resp: dict[str, Any]) -> list[Completion]:
+    """vLLM with return_token_ids: prompt_token_ids at the top level, token_ids per choice. Per-token versions are
+    not returned per token; a choice-level `weight_version` (or the response's) is spread over its tokens."""
+    prompt = resp.get("prompt_token_ids")
+    out = []
+    for ch in sorted(resp.get("choices", []), key=lambda c: c.get("index", 0)):
+        ids = ch.get("token_ids")
+        p = ch.get("prompt_token_ids", prompt)
+        if ids is None or p is None:
+            raise ResponseError("vLLM response lacks token_ids / prompt_token_ids (start it with return_token_ids)")
+        versions = ch.get("token_versions")
+        if versions is None:
+            v = ch.get("weight_version", resp.get("weight_version", -1))
+            versions = [int(v)] * len(ids)
+        out.append(
+            _check(
+                Completion(
+                    text=(ch.get("message") or {}).get("content") or "",
+                    prompt_ids=[int(t) for t in p],
+                    token_ids=[int(t) for t in ids],
+                    logprobs=_logprobs(ch),
+                    versions=[int(v) for v in versions],
+                    finish_reason=ch.get("finish_reason") or "stop",
+                )
+            )
+        )
+    if not out:
+        raise ResponseError("response has no choices")
+    return out
+
+
+ADAPTERS: dict[str, Callable[[dict[str, Any]], list[Completion]]] = {"builtin": parse_builtin, "vllm": parse_vllm}
+
+
+def get_adapter(name: str) -> Callable[[dict[str, Any]], list[Completion]]:
+    if name not in ADAPTERS:
+        raise ValueError(f"unknown response adapter '{name}'; choose one of {sorted(ADAPTERS)}")
+    return ADAPTERS[name]

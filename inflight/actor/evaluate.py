@@ -1,0 +1,65 @@
+"""Held-out evaluation through the same inference servers: one sample per problem (greedy by default), pass@1 and
+mean reward, tagged with the weight version(s) whose tokens were scored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+from inflight.actor.config import ActorConfig
+from inflight.actor.rollout import RolloutClient
+from inflight.actor.server_pool import ServerPool
+from inflight.contracts import Task, TaskSample, Verification
+
+
+async def _verify_all(task: Task, items: list[tuple[str, TaskSample, str, int, int]]) -> list[Verification]:
+    """Fallback without a reward service: the task's own verifier, off the event loop."""
+    return await asyncio.to_thread(lambda: [task.verify(text, ts, fr) for text, ts, fr, _, _ in items])
+
+
+async def evaluate(
+    task: Task,
+    pool: ServerPool,
+    cfg: ActorConfig,
+    *,
+    rewards: Any = None,  # a RewardService (async score); None = task.verify in a thread
+    model: str | None = None,  # None = the name the servers report
+    limit: int = 0,  # 0 = the whole held-out split
+) -> dict[str, Any]:
+    """Returns {"pass@1", "mean_reward", "num_problems", "num_failed", "labels", "version_min", "version_max",
+    "seconds"}; version_min/max span the weight versions of every scored token (equal when no update happened
+    during the evaluation). Problems whose request failed count as wrong (reward 0) and in num_failed."""
+    problems = task.eval_samples()
+    if limit:
+        problems = problems[:limit]
+    if not problems:
+        raise ValueError(f"task '{task.name}' has no held-out problems")
+    client = RolloutClient(pool, cfg, model)
+    max_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    t0 = time.monotonic()
+
+    async def one(ts: TaskSample):
+        try:
+            return (await client.chat(ts.messages, n=1, max_tokens=max_tokens, temperature=cfg.eval_temperature))[0]
+        except Exception:
+            return None
+
+    outs = await asyncio.gather(*(one(ts) for ts in problems))
+    ok = [(c, ts) for c, ts in zip(outs, problems) if c is not None]
+    items = [(c.text, ts, c.finish_reason, len(c.token_ids), max_tokens) for c, ts in ok]
+    verdicts = await (rewards.score(items) if rewards is not None else _verify_all(task, items)) if items else []
+    labels = Counter(getattr(v.label, "value", str(v.label)) for v in verdicts)
+    versions = [v for c, _ in ok for v in c.versions]
+    n = len(problems)
+    return {
+        "pass@1": labels.get("correct", 0) / n,
+        "mean_reward": sum(float(v.reward) for v in verdicts) / n,
+        "num_problems": n,
+        "num_failed": n - len(ok),
+        "labels": dict(labels),
+        "version_min": min(versions) if versions else -1,
+        "version_max": max(versions) if versions else -1,
+        "seconds": time.monotonic() - t0,
+    }

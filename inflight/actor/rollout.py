@@ -1,0 +1,100 @@
+"""Rollouts: the user's extension point.
+
+A rollout turns one prompt into the samples of one group:
+
+    async def rollout(task_sample: TaskSample, client: RolloutClient, cfg: ActorConfig) -> list[Sample]
+
+The actor then scores the samples (reward service), gives them a group id and sends the group to the trainer. The
+rule a rollout must keep: token ids, behaviour logprobs and versions are taken exactly as the server returned them
+(never re-tokenise text), and `Sample.meta["text"]` holds the text the verifier should read.
+
+A multi-turn rollout (e.g. a tool call between turns) only uses `client.chat`; every turn's generated tokens are
+trained, the tool's output and the re-sent prompt are not (they are the next turn's prompt):
+
+    async def two_turn_rollout(ts, client, cfg):
+        samples = []
+        for _ in range(cfg.group_size):
+            first = (await client.chat(ts.messages, n=1))[0]
+            tool_out = run_calculator(first.text)                      # your tool
+            messages = ts.messages + [{"role": "assistant", "content": first.text},
+                                      {"role": "user", "content": tool_out}]
+            second = (await client.chat(messages, n=1))[0]
+            # one Sample per turn, the reward of the final answer applies to both (score on second.text)
+            for c in (first, second):
+                samples.append(client.to_sample(ts, c, text=second.text))
+        return samples
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable
+
+from inflight.actor.adapters import Completion
+from inflight.actor.config import ActorConfig
+from inflight.actor.server_pool import ServerPool
+from inflight.contracts import Sample, TaskSample
+
+
+class RolloutClient:
+    """What a rollout sees of the inference servers: chat requests with the run's sampling settings."""
+
+    def __init__(self, pool: ServerPool, cfg: ActorConfig, model: str | None = None):
+        self.pool = pool
+        self.cfg = cfg
+        self.model = model  # None: the name the servers report, looked up on the first request
+
+    async def chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        **extra: Any,
+    ) -> list[Completion]:
+        if self.model is None:
+            self.model = await self.pool.model_name()
+        payload = {
+            "model": self.model,
+            "messages": messages,
+            "n": n,
+            "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
+            "temperature": self.cfg.temperature if temperature is None else temperature,
+            "top_p": self.cfg.top_p if top_p is None else top_p,
+            "logprobs": True,
+            **extra,
+        }
+        completions = await self.pool.chat(payload)
+        if len(completions) != n:
+            raise RuntimeError(f"asked for n={n} choices, the server returned {len(completions)}")
+        return completions
+
+    @staticmethod
+    def to_sample(ts: TaskSample, c: Completion, text: str | None = None) -> Sample:
+        """A Sample holding the completion's tokens exactly as returned."""
+        return Sample(
+            group_id=ts.id,  # the actor replaces it with a unique group id
+            prompt_ids=list(c.prompt_ids),
+            completion_ids=list(c.token_ids),
+            logprobs=list(c.logprobs),
+            versions=list(c.versions),
+            finish_reason=c.finish_reason,
+            task_id=ts.id,
+            meta={"text": c.text if text is None else text},
+        )
+
+
+RolloutFn = Callable[[TaskSample, RolloutClient, ActorConfig], Awaitable[list[Sample]]]
+
+
+async def default_rollout(ts: TaskSample, client: RolloutClient, cfg: ActorConfig) -> list[Sample]:
+    """Single turn: G samples of one prompt, as one request with n=G (cfg.use_n) or G requests with n=1."""
+    G = cfg.group_size
+    if cfg.use_n:
+        completions = await client.chat(ts.messages, n=G)
+    else:
+        parts = await asyncio.gather(*(client.chat(ts.messages, n=1) for _ in range(G)))
+        completions = [c for p in parts for c in p]
+    return [client.to_sample(ts, c) for c in completions]

@@ -1,0 +1,107 @@
+"""The actor as a process: what the pipeline launcher starts.
+
+    ctx.Process(target=run_actor, args=(run_cfg, server_urls, stream, stop_event, metrics_queue.put)).start()
+
+`run_actor` builds the task, the reward service and the server pool from the RunConfig, runs the actor until
+`stop_event` is set or the pipeline's limits are reached, cleans up and returns the final metrics.
+For sync mode (or any caller that drives the actor itself), `open_actor` gives the same Actor inside an existing
+event loop:
+
+    async with open_actor(run_cfg, server_urls, stream) as actor:
+        groups = await actor.generate_round(run_cfg.actor.groups_per_step * run_cfg.pipeline.num_grad_steps)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from inflight.actor.actor import Actor, MetricsSink
+from inflight.actor.rollout import RolloutFn, default_rollout
+from inflight.actor.server_pool import ServerPool
+from inflight.contracts import Stream
+
+
+def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
+    """(max_groups, max_seconds) from pipeline.max_steps / max_samples / max_minutes; 0 = no limit.
+    The actor produces exactly what the trainer will consume: max_steps × groups_per_step groups."""
+    p, a = run_cfg.pipeline, run_cfg.actor
+    limits = []
+    if p.max_steps > 0:
+        limits.append(p.max_steps * a.groups_per_step)
+    if p.max_samples > 0:
+        limits.append(math.ceil(p.max_samples / a.group_size))
+    return (min(limits) if limits else 0), p.max_minutes * 60.0
+
+
+def make_rewards(run_cfg: Any) -> Any:
+    from inflight.rewards import RewardService
+
+    a = run_cfg.actor
+    return RewardService(run_cfg.task, workers=a.reward_workers, timeout_s=a.reward_timeout_s,
+                         overlong_penalty=a.overlong_penalty)
+
+
+async def _close(obj: Any) -> None:
+    for name in ("aclose", "close", "shutdown"):
+        fn = getattr(obj, name, None)
+        if fn is not None:
+            res = fn()
+            if inspect.isawaitable(res):
+                await res
+            return
+
+
+@asynccontextmanager
+async def open_actor(
+    run_cfg: Any,
+    server_urls: list[str],
+    stream: Stream,
+    metrics_sink: MetricsSink | None = None,
+    *,
+    rollout: RolloutFn = default_rollout,
+    rewards: Any = None,  # a ready reward service; None = build one from the config (and close it after)
+) -> AsyncIterator[Actor]:
+    from inflight.tasks import get_task
+
+    a = run_cfg.actor
+    pool = ServerPool(
+        server_urls, api_key=run_cfg.server.api_key or None, concurrency_per_server=a.concurrency_per_server,
+        request_timeout_s=a.request_timeout_s, retries=a.retries, backoff_s=a.backoff_s,
+        probe_interval_s=a.probe_interval_s, adapter=a.adapter,
+    )
+    own_rewards = rewards is None
+    rewards = make_rewards(run_cfg) if own_rewards else rewards
+    max_groups, max_seconds = pipeline_limits(run_cfg)
+    if hasattr(rewards, "start"):  # spawn the verifier workers now, not inside the first score() on the loop
+        await asyncio.to_thread(rewards.start)
+    try:
+        yield Actor(a, get_task(run_cfg.task), pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
+                    max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink)
+    finally:
+        await pool.aclose()
+        if own_rewards:
+            await _close(rewards)
+
+
+def run_actor(
+    run_cfg: Any,  # inflight.config.RunConfig
+    server_urls: list[str],
+    stream: Stream,
+    stop_event: Any = None,  # anything with is_set(): threading / multiprocessing / asyncio Event
+    metrics_sink: MetricsSink | None = None,  # called with {"kind": "actor"|"eval", ...}; must be picklable
+    rollout: RolloutFn = default_rollout,  # to use it in a spawned process, define it at module level
+) -> dict[str, Any]:
+    """Blocking entry point: run the pipelined actor until stopped or done; returns its final metrics
+    (including "actor/groups_failed"; failures are also logged one by one)."""
+
+    async def main() -> dict[str, Any]:
+        async with open_actor(run_cfg, server_urls, stream, metrics_sink, rollout=rollout) as actor:
+            final = await actor.run(stop_event)
+            final["failures"] = actor.failures
+            return final
+
+    return asyncio.run(main())

@@ -1,0 +1,263 @@
+"""RL policy losses, selectable by name (`AlgoConfig.loss`), and the normalisation that turns per-token terms
+into the loss of one packed micro-batch.
+
+Notation, per token t: log π = `logprobs` (the trainer's current weights, with grad), log μ =
+`batch.behaviour_logprobs` (the policy that sampled the token, as the server reported it), log π_prox =
+`batch.prox_logprobs` (the trainer's weights before this optimizer step), A = `batch.advantages` (the sample's
+advantage on each of its tokens), m = `batch.loss_mask`. Logprobs arrive temperature-aware; nothing is rescaled here.
+
+Policy terms ℓ_t (sg = stop-gradient):
+    grpo           −A · w · log π,   w = sg(clamp(π/μ, 0, c)),  c = is_cap (inf: w = π/μ; 0: w = 1, REINFORCE)
+    ppo            −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),  r = π/μ
+    decoupled_ppo  −b · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A),  u = π/π_prox,  b = π_prox/μ;  where b >
+                   behaviour_cap the token is dropped (mode `mask`) or b = behaviour_cap (mode `clamp`)
+    aipo           −sg(min(π/μ, ρ)) · A · log π,  ρ = aipo_rho
+  + kl_coef · min(exp(ref − log π) − (ref − log π) − 1, kl_clamp)    (k3 estimate of KL(π‖ref), needs ref_logprobs)
+  − entropy_coef · H_t                                                (entropy bonus; the loss then needs_entropy)
+
+Normalisation, side by side. N_seq = batch.num_samples_in_step and N_tok = batch.num_tokens_in_step count the
+whole optimizer step (all micro-batches, all ranks), so the micro-batch losses of one step add up to the step loss:
+    sequences        L = Σ_t m_t ℓ_t / N_seq                  every token weighs the same, a long answer counts
+                                                              more than a short one (PipelineRL; default)
+    tokens           L = Σ_t m_t ℓ_t / N_tok                  same weighting, scale independent of answer lengths
+    sequence_length  L = Σ_s (Σ_{t∈s} m_t ℓ_t / n_s) / N_seq  every sequence weighs the same, n_s = its trained
+                                                              tokens (original GRPO); a sample with n_s = 0 adds 0
+A token dropped by decoupled_ppo's mask loses its policy term only; the denominators do not change.
+
+Stats of one call are floats. Sums, to be added across micro-batches (see `merge_stats`): loss, tokens, ratio_sum,
+w_sum, w_sq_sum, clipped, masked, kl_sum, entropy_sum; max: ratio_max; derived from those (recomputed by
+`merge_stats`): ratio_mean (π/μ), clip_frac, mask_frac, ess = (Σw)²/(N·Σw²) of the importance weights w the loss
+applies (grpo/aipo: truncated π/μ, 1 when is_cap = 0; ppo: π/μ; decoupled_ppo: b after the cap, 0 if dropped), kl,
+entropy (means over trained tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from inflight.algo.config import AlgoConfig
+from inflight.contracts import LossFn, TrainBatch
+
+NORMALIZATIONS = ("sequences", "tokens", "sequence_length")
+BEHAVIOUR_CAP_MODES = ("mask", "clamp")
+
+
+@dataclass
+class PolicyTerm:
+    """A loss's per-token policy term and what the stats need; all [T]."""
+
+    loss: torch.Tensor  # ℓ_t before masking and normalisation (with grad)
+    weight: torch.Tensor  # importance weight applied to the token (no grad), for the ESS
+    clipped: torch.Tensor  # bool: the PPO clip is active (the term is constant, gradient 0)
+    dropped: torch.Tensor  # bool: token removed from the policy term
+
+
+def _none(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x, dtype=torch.bool)
+
+
+def ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+    """−min(ratio·A, clip(ratio, 1−ε_low, 1+ε_high)·A) and where the clip is active. The clipped branch is the
+    minimum only strictly outside the interval, on the side A pushes towards; there the term is constant.
+    A ratio exactly on the boundary is not clipped (gradient −A·ratio)."""
+    clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
+    bound = ratio.detach().clamp(1 - eps_low, 1 + eps_high)
+    return -torch.where(clipped, bound * adv, ratio * adv), clipped
+
+
+def grpo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+    """ℓ = −A · w · log π,  w = sg(clamp(π/μ, 0, c)), c = is_cap; c = inf: w = π/μ; c = 0: w = 1 (no IS).
+    ∂ℓ/∂log π = −A·w."""
+    w = torch.ones_like(logp) if cfg.is_cap == 0 else torch.exp(logp - mu).detach().clamp(max=cfg.is_cap)
+    return PolicyTerm(-adv * w * logp, w, _none(logp), _none(logp))
+
+
+def ppo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+    """ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),  r = π/μ.  ∂ℓ/∂log π = −A·r unclipped, 0 clipped."""
+    ratio = torch.exp(logp - mu)
+    loss, clipped = ppo_clip(ratio, adv, cfg.clip_low, cfg.clip_high)
+    return PolicyTerm(loss, ratio.detach(), clipped, _none(logp))
+
+
+def decoupled_ppo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+    """ℓ = −b · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A),  u = π/π_prox,  b = π_prox/μ (no grad), with b >
+    behaviour_cap dropped (`mask`) or set to the cap (`clamp`).  ∂ℓ/∂log π = −b·A·u unclipped, 0 clipped."""
+    b = torch.exp(prox - mu).detach()
+    if cfg.behaviour_cap_mode == "mask":
+        dropped = b > cfg.behaviour_cap
+        b = torch.where(dropped, torch.zeros_like(b), b)
+    else:
+        dropped, b = _none(b), b.clamp(max=cfg.behaviour_cap)
+    loss, clipped = ppo_clip(torch.exp(logp - prox), adv, cfg.clip_low, cfg.clip_high)
+    return PolicyTerm(b * loss, b, clipped, dropped)
+
+
+def aipo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+    """ℓ = −sg(min(π/μ, ρ)) · A · log π,  ρ = aipo_rho.  ∂ℓ/∂log π = −A·min(π/μ, ρ)."""
+    w = torch.exp(logp - mu).detach().clamp(max=cfg.aipo_rho)
+    return PolicyTerm(-w * adv * logp, w, _none(logp), _none(logp))
+
+
+LOSSES: dict[str, Callable[..., PolicyTerm]] = {"grpo": grpo, "ppo": ppo, "decoupled_ppo": decoupled_ppo, "aipo": aipo}
+
+
+def kl_k3(logp: torch.Tensor, ref: torch.Tensor, clamp_max: float) -> torch.Tensor:
+    """min(exp(ref − log π) − (ref − log π) − 1, kl_clamp) per token; ≥ 0, = 0 where π = ref.
+    ∂/∂log π = 1 − exp(ref − log π) below the clamp, 0 above it."""
+    d = ref - logp
+    return (torch.exp(d) - d - 1).clamp(max=clamp_max)
+
+
+def normalize(per_token: torch.Tensor, mask: torch.Tensor, batch: TrainBatch, how: str) -> torch.Tensor:
+    """The micro-batch loss from masked per-token terms (see the module docstring for the three modes)."""
+    if how == "sequences":
+        return per_token.sum() / max(batch.num_samples_in_step, 1)
+    if how == "tokens":  # a step without trained tokens has only zero terms: any denominator >= 1 gives 0
+        return per_token.sum() / max(batch.num_tokens_in_step, 1)
+    n = len(batch.seq_lens)
+    per_seq = per_token.new_zeros(n).index_add(0, batch.sample_index, per_token)
+    n_tok = per_token.new_zeros(n).index_add(0, batch.sample_index, mask.to(per_token.dtype))
+    return (per_seq / n_tok.clamp(min=1)).sum() / max(batch.num_samples_in_step, 1)
+
+
+def _check_cfg(cfg: AlgoConfig) -> None:
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"unknown algo.loss {cfg.loss!r}; choose one of {sorted(LOSSES)}")
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(f"unknown algo.normalization {cfg.normalization!r}; choose one of {list(NORMALIZATIONS)}")
+    if cfg.behaviour_cap_mode not in BEHAVIOUR_CAP_MODES:
+        raise ValueError(f"unknown algo.behaviour_cap_mode {cfg.behaviour_cap_mode!r}; choose mask or clamp")
+    for name in ("is_cap", "clip_low", "clip_high", "kl_coef", "kl_clamp", "entropy_coef"):
+        if not getattr(cfg, name) >= 0:
+            raise ValueError(f"algo.{name} must be >= 0, got {getattr(cfg, name)}")
+    for name in ("behaviour_cap", "aipo_rho"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"algo.{name} must be > 0, got {getattr(cfg, name)}")
+
+
+def _check_batch(logprobs: torch.Tensor, batch: TrainBatch, cfg: AlgoConfig, entropy: torch.Tensor | None) -> None:
+    T = batch.num_tokens
+    tensors = {"logprobs": logprobs, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
+               "behaviour_logprobs": batch.behaviour_logprobs, "sample_index": batch.sample_index,
+               "prox_logprobs": batch.prox_logprobs, "ref_logprobs": batch.ref_logprobs, "entropy": entropy}
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != (T,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({T},) like batch.input_ids")
+    if cfg.loss == "decoupled_ppo" and batch.prox_logprobs is None:
+        raise ValueError("algo.loss=decoupled_ppo needs batch.prox_logprobs (the trainer's logprobs with the "
+                         "weights before this optimizer step, from forward_logprobs)")
+    if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError(f"algo.kl_coef={cfg.kl_coef} needs batch.ref_logprobs (reference-model logprobs)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"algo.entropy_coef={cfg.entropy_coef} needs the per-token entropy (loss.needs_entropy)")
+    if batch.num_samples_in_step < 0 or batch.num_tokens_in_step < 0:
+        raise ValueError("batch.num_samples_in_step and num_tokens_in_step must be >= 0 (they count the step)")
+    # the denominator in use counts the whole step, so it cannot be below this micro-batch's own count
+    m = batch.loss_mask > 0
+    if cfg.normalization == "tokens" and batch.num_tokens_in_step < int(m.sum()):
+        raise ValueError(f"batch.num_tokens_in_step={batch.num_tokens_in_step} counts the whole step, yet this "
+                         f"micro-batch alone trains {int(m.sum())} tokens")
+    n_seq = int(batch.sample_index[m].unique().numel())
+    if cfg.normalization != "tokens" and batch.num_samples_in_step < n_seq:
+        raise ValueError(f"batch.num_samples_in_step={batch.num_samples_in_step} counts the whole step, yet this "
+                         f"micro-batch alone trains {n_seq} samples")
+    if cfg.normalization == "sequence_length" and T > 0 and int(batch.sample_index.max()) >= len(batch.seq_lens):
+        raise ValueError("batch.sample_index points past batch.seq_lens")
+
+
+class PolicyLoss:
+    """A `contracts.LossFn`: (logprobs [T] with grad, batch, entropy [T] | None) -> (scalar loss, stats)."""
+
+    def __init__(self, cfg: AlgoConfig):
+        _check_cfg(cfg)
+        self.cfg = cfg
+        self.term = LOSSES[cfg.loss]
+        self.needs_entropy = cfg.entropy_coef > 0
+
+    def __call__(self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None):
+        cfg = self.cfg
+        _check_batch(logprobs, batch, cfg, entropy)
+        dt = torch.promote_types(logprobs.dtype, torch.float32)  # exp of bf16 differences is too coarse
+        m = batch.loss_mask > 0
+        mf = m.to(dt)
+
+        def trained(x: torch.Tensor | None) -> torch.Tensor | None:
+            # untrained tokens (prompt, first token) may hold anything: zero them so exp() stays finite there
+            return None if x is None else torch.where(m, x.to(dt), torch.zeros((), dtype=dt, device=x.device))
+
+        logp, mu, adv = trained(logprobs), trained(batch.behaviour_logprobs), trained(batch.advantages)
+        prox, ref, ent = trained(batch.prox_logprobs), trained(batch.ref_logprobs), trained(entropy)
+        pg = self.term(logp, mu, prox, adv, cfg)
+        keep = m & ~pg.dropped
+        per_token = torch.where(keep, pg.loss, torch.zeros_like(pg.loss))
+        kl = kl_k3(logp, ref, cfg.kl_clamp) * mf if ref is not None else None
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * ent
+        loss = normalize(per_token, m, batch, cfg.normalization)
+
+        with torch.no_grad():
+            ratio = torch.exp(logp - mu)[m]
+            w = torch.where(pg.dropped, torch.zeros_like(pg.weight), pg.weight)[m].double()
+            stats = {
+                "loss": float(loss.detach()),
+                "tokens": float(m.sum()),
+                "ratio_sum": float(ratio.double().sum()),
+                "ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
+                "w_sum": float(w.sum()),
+                "w_sq_sum": float((w * w).sum()),
+                "clipped": float((pg.clipped & m).sum()),
+                "masked": float((pg.dropped & m).sum()),
+                "kl_sum": float(kl.double().sum()) if kl is not None else 0.0,
+                "entropy_sum": float(ent.double().sum()) if ent is not None else 0.0,
+            }
+        return loss, derive_stats(stats)
+
+
+def make_loss(cfg: AlgoConfig) -> LossFn:
+    """The loss named by cfg.loss, with cfg's normalisation, KL and entropy terms (a `contracts.LossFn`)."""
+    return PolicyLoss(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stats across micro-batches, and policy lag
+# --------------------------------------------------------------------------------------------------------------
+
+SUM_KEYS = ("loss", "tokens", "ratio_sum", "w_sum", "w_sq_sum", "clipped", "masked", "kl_sum", "entropy_sum")
+MAX_KEYS = ("ratio_max",)
+
+
+def derive_stats(s: dict[str, float]) -> dict[str, float]:
+    """Add the means (ratio_mean, clip_frac, mask_frac, kl, entropy over trained tokens) and the ESS to raw sums."""
+    n = s["tokens"]
+    out = dict(s)
+    out["ratio_mean"] = s["ratio_sum"] / n if n else 0.0
+    out["clip_frac"] = s["clipped"] / n if n else 0.0
+    out["mask_frac"] = s["masked"] / n if n else 0.0
+    out["ess"] = s["w_sum"] ** 2 / (n * s["w_sq_sum"]) if n and s["w_sq_sum"] > 0 else 0.0
+    out["kl"] = s["kl_sum"] / n if n else 0.0
+    out["entropy"] = s["entropy_sum"] / n if n else 0.0
+    return out
+
+
+def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Step stats from the stats of its micro-batches (sums added, maxima maxed, means and ESS recomputed)."""
+    if not parts:
+        raise ValueError("merge_stats needs at least one micro-batch's stats")
+    s = {k: math.fsum(p[k] for p in parts) for k in SUM_KEYS}
+    s.update({k: max(p[k] for p in parts) for k in MAX_KEYS})
+    return derive_stats(s)
+
+
+def lag_stats(trainer_version: int, versions: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """min / mean / max of trainer_version − versions[t] over trained tokens (mask > 0); 0 when there are none."""
+    lag = (trainer_version - versions[mask > 0]).double()
+    if lag.numel() == 0:
+        return {"lag_min": 0.0, "lag_mean": 0.0, "lag_max": 0.0, "lag_tokens": 0.0}
+    return {"lag_min": float(lag.min()), "lag_mean": float(lag.mean()), "lag_max": float(lag.max()),
+            "lag_tokens": float(lag.numel())}

@@ -1,0 +1,161 @@
+"""RewardService: scores completions with the task's `verify`, off the event loop, in killable worker processes.
+
+    rewards = RewardService(cfg.task, workers=2, timeout_s=10.0, overlong_penalty=0.5)
+    verdicts = await rewards.score([(text, task_sample, finish_reason, num_tokens, max_tokens), ...])
+
+Failures: a verifier that raises, crashes its process, or runs past `timeout_s` gives the `error` label (reward
+`reward_table["error"]`, 0 by default) and a log line; a hung or dead worker is killed and replaced, so later
+calls work as before. `error` rather than `no_answer`: the completion may well hold an answer; the verifier failed.
+
+Reward of one completion = base - overlong penalty, where
+  base    = reward_table[label] for the labels the table names, else the verifier's own reward (the built-in tasks
+            give correct 1, anything else 0; reasoning-gym may give partial credit);
+  penalty = overlong_penalty * clip((num_tokens - (max_tokens - B)) / B, 0, 1),  B = overlong_buffer * max_tokens
+            (DAPO's soft overlong punishment: 0 up to max_tokens - B, rising linearly to overlong_penalty at
+            max_tokens; applied to every label). The label is never changed by the penalty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from inflight.contracts import TaskSample, Verdict, Verification
+from inflight.rewards.pool import KillablePool, log
+from inflight.tasks.config import TaskConfig
+
+# (completion text, the TaskSample it answers, finish_reason, completion tokens, max new tokens of the request)
+ScoreItem = tuple[str, TaskSample, str, int, int]
+
+
+def import_object(path: str) -> Any:
+    """'package.module:name' or 'package.module.name' -> the object."""
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"'{path}' is not an import path like 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+def _build_verifier(task_cfg: TaskConfig, verify_fn: str | None) -> Callable[[str, TaskSample, str], tuple]:
+    """Runs once in each worker: the task's verify (or a user function), returning plain (reward, label)."""
+    if verify_fn:
+        verify = import_object(verify_fn)
+    else:
+        from inflight.tasks import get_task
+
+        verify = get_task(task_cfg).verify
+
+    def run(completion: str, sample: TaskSample, finish_reason: str) -> tuple[float, str]:
+        v = verify(completion, sample, finish_reason)
+        return float(v.reward), Verdict(v.label).value
+
+    return run
+
+
+class RewardService:
+    def __init__(
+        self,
+        task_cfg: TaskConfig,
+        *,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        reward_table: dict[str, float] | None = None,
+        overlong_penalty: float = 0.0,
+        overlong_buffer: float = 0.2,
+        verify_fn: str | None = None,
+        start_timeout_s: float = 120.0,
+    ):
+        if workers < 1 or timeout_s <= 0:
+            raise ValueError(f"need workers >= 1 and timeout_s > 0 (got {workers}, {timeout_s})")
+        if overlong_penalty < 0 or not 0 < overlong_buffer <= 1:
+            raise ValueError(
+                f"need overlong_penalty >= 0 and 0 < overlong_buffer <= 1 (got {overlong_penalty}, {overlong_buffer})"
+            )
+        table = {str(getattr(k, "value", k)): float(v) for k, v in (reward_table or {}).items()}
+        unknown = set(table) - {v.value for v in Verdict}
+        if unknown:
+            raise ValueError(f"reward_table has unknown labels {sorted(unknown)}; labels: {[v.value for v in Verdict]}")
+        self.task_cfg, self.workers, self.timeout_s = task_cfg, workers, timeout_s
+        self.reward_table, self.overlong_penalty, self.overlong_buffer = table, overlong_penalty, overlong_buffer
+        self.verify_fn, self.start_timeout_s = verify_fn, start_timeout_s
+        self.stats: collections.Counter[str] = collections.Counter()  # calls, and timeout / crashed / raised
+        self._pool: KillablePool | None = None
+        self._threads: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Start the worker processes (each builds the task once); blocking. score() calls it on first use.
+        A task or verify_fn that fails to build raises RuntimeError here, with the worker's message."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = KillablePool(
+                    _build_verifier, (self.task_cfg, self.verify_fn), self.workers, self.start_timeout_s
+                )
+                self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="reward")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._threads is not None:
+                self._threads.shutdown(wait=False, cancel_futures=True)
+            if self._pool is not None:
+                self._pool.close()
+            self._pool = self._threads = None
+
+    def __enter__(self) -> "RewardService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def replaced_workers(self) -> int:
+        return self._pool.replaced if self._pool else 0
+
+    # ---- rewards ----
+    def penalty(self, num_tokens: int, max_tokens: int) -> float:
+        if self.overlong_penalty == 0 or max_tokens <= 0:
+            return 0.0
+        buffer = self.overlong_buffer * max_tokens
+        return self.overlong_penalty * min(1.0, max(0.0, (num_tokens - (max_tokens - buffer)) / buffer))
+
+    def reward(self, label: Verdict, verifier_reward: float, num_tokens: int, max_tokens: int) -> float:
+        base = self.reward_table.get(label.value, verifier_reward)
+        return base - self.penalty(num_tokens, max_tokens)
+
+    def _score_one(self, item: ScoreItem) -> Verification:
+        completion, sample, finish_reason, num_tokens, max_tokens = item
+        assert self._pool is not None
+        outcome, value = self._pool.call((completion, sample, finish_reason), self.timeout_s)
+        with self._stats_lock:
+            self.stats["calls"] += 1
+            if outcome != "ok":
+                self.stats[outcome] += 1
+        if outcome == "ok":
+            verifier_reward, label = value[0], Verdict(value[1])
+        else:
+            log.warning("verifier %s on task sample %r: %s -> label 'error'", outcome, sample.id, value)
+            verifier_reward, label = 0.0, Verdict.error
+        return Verification(reward=self.reward(label, verifier_reward, num_tokens, max_tokens), label=label)
+
+    async def score(self, completions: list[ScoreItem]) -> list[Verification]:
+        """Verify each completion in the worker pool (never on the event loop); results in input order."""
+        if self._pool is None:
+            await asyncio.to_thread(self.start)
+        loop = asyncio.get_running_loop()
+        jobs = [loop.run_in_executor(self._threads, self._score_one, c) for c in completions]
+        return list(await asyncio.gather(*jobs))
+
+    def score_sync(self, completions: list[ScoreItem]) -> list[Verification]:
+        """Blocking variant for code without an event loop."""
+        self.start()
+        assert self._threads is not None
+        return list(self._threads.map(self._score_one, completions))

@@ -1,0 +1,123 @@
+"""Test helpers: a real HTTP server (uvicorn in a thread) with scriptable behaviour, for the routing tests of
+ServerPool (retries, 5xx, 4xx, timeouts). The actor's own tests run against the real `inflight serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ScriptedServer:
+    """Answers /v1/chat/completions in the built-in server's shape after `delay` s; the first `fail_first` calls get
+    HTTP 500, every call gets `status` when it is set; records calls and the peak of concurrent requests."""
+
+    def __init__(self, port: int | None = None, delay: float = 0.0, fail_first: int = 0, status: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.delay, self.fail_first, self.status = delay, fail_first, status
+        self.calls = self.active = self.peak = 0
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.calls += 1
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                await asyncio.sleep(self.delay)
+                if self.status is not None:
+                    return JSONResponse({"error": {"message": "scripted"}}, self.status)
+                if self.calls <= self.fail_first:
+                    return JSONResponse({"error": {"message": "scripted failure"}}, 500)
+                n = int(body.get("n", 1))
+                choices = [
+                    {"index": i, "message": {"role": "assistant", "content": f"c{i}"}, "finish_reason": "stop",
+                     "token_ids": [10 + i, 11], "prompt_token_ids": [1, 2, 3], "token_versions": [7, 7],
+                     "logprobs": {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.5}]}}
+                    for i in range(n)
+                ]
+                return {"id": "x", "object": "chat.completion", "choices": choices}
+            finally:
+                self.active -= 1
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ScriptedServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("scripted server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+class TrainerStub:
+    """A trainer that trains on nothing: takes `groups_per_step` groups per step from the stream, waits `step_s`,
+    pushes a (partial, value-preserving) weight update of version v+1 to every server over the real contract, then
+    publishes v+1. Records, per consumed group, the version it was consumed at."""
+
+    def __init__(self, stream, urls: list[str], gps: int, steps: int, weights_path: str, step_s: float = 0.05):
+        self.stream, self.urls, self.gps, self.steps = stream, urls, gps, steps
+        self.path, self.step_s = weights_path, step_s
+        self.consumed: list[tuple[int, list]] = []  # (trainer version when consumed, group)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "TrainerStub":
+        set_version(self.urls, self.path, 0)  # the run starts from the initial weights, version 0
+        self.stream.publish_version(0)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for v in range(self.steps):
+                got: list = []
+                deadline = time.monotonic() + 120
+                while len(got) < self.gps:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"trainer stub starved at version {v} with {len(got)} groups")
+                    got += self.stream.get(self.gps - len(got), timeout_s=0.5)
+                self.consumed += [(v, g) for g in got]
+                time.sleep(self.step_s)
+                set_version(self.urls, self.path, v + 1)
+                self.stream.publish_version(v + 1)
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+
+    def join(self, timeout: float = 120) -> None:
+        self.thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def set_version(urls: list[str], weights_path: str, version: int) -> None:
+    """A real weight update (safetensors file transport) that sets the servers' weight version."""
+    import httpx
+
+    for url in urls:
+        r = httpx.post(url + "/request_weight_update", json={"version": version, "path": weights_path}, timeout=30)
+        r.raise_for_status()
