@@ -1,0 +1,188 @@
+"""Request schemas of the OpenAI-compatible API (+ inflight's extensions) and builders of the response bodies.
+
+Requests are pydantic models: unknown fields are ignored (OpenAI clients send many), but every field we read is
+validated, and fields we cannot honour (penalties, logit_bias, echo, tools) are rejected when set to a non-default
+value, so a client never silently gets something other than what it asked for.
+Responses are plain dicts (1,000 concurrent requests: no need for a second validation pass on the way out).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:  # OpenAI "content parts": only text is supported
+            if part.get("type") != "text":
+                raise ValueError(f"unsupported content part type {part.get('type')!r} (only 'text')")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1 = off")
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list, description="extension")
+    ignore_eos: bool = Field(default=False, description="extension")
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty / frequency_penalty are not supported (must be 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])  # a list once validated; None when the field was left out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = Field(default=True, description="extension")
+    tools: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_checks(self):
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs if self.logprobs else 0
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            raise ValueError("best_of is not supported")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt is empty")
+        if isinstance(self.prompt, list) and len(self.prompt) > 1 and not isinstance(self.prompt[0], int):
+            raise ValueError("only one prompt per request (send one request per prompt)")
+        return self
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return p[0]  # a list holding one prompt (text or ids)
+        return p  # type: ignore[return-value]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Response builders. `ch` is a finished choice: see server._Choice (text, token_ids, logprobs, tops, versions, ...).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _lp_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]] | None) -> dict:
+    content = []
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+        entry = _lp_entry(tok, lp)
+        entry["top_logprobs"] = [_lp_entry(t, v) for t, v in tops[i]] if tops else []
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]] | None) -> dict:
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": [dict(t) for t in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: Literal["chat", "text"], rid: str, model: str, choices: list[dict], use: dict | None,
+             chunk: bool = False) -> dict[str, Any]:
+    obj = {"chat": "chat.completion", "text": "text_completion"}[kind] + (".chunk" if chunk and kind == "chat" else "")
+    body: dict[str, Any] = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body

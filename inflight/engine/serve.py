@@ -1,0 +1,101 @@
+"""`inflight serve`: the built-in engine behind the HTTP contract (docs/inference-contract.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="folder of an HF causal LM (AutoModelForCausalLM)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--max-batch", type=int, default=128, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=512, help="context length (prompt + completion)")
+    p.add_argument("--max-tokens-per-step", type=int, default=4096, help="token budget of one engine step")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (env INFLIGHT_API_KEY)")
+    p.add_argument("--allow-remote-admin", action="store_true",
+                   help="accept /init_process_group and /request_weight_update from non-local clients")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inflight.engine.core import InferenceEngine
+    from inflight.engine.server import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                             max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
+                             threads=args.threads)
+    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device)
+    # One worker process: the engine owns the model; a big backlog so 1,000 concurrent clients can connect.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, backlog=4096,
+                timeout_keep_alive=30)
+    return 0
+
+
+class ServerProcess:
+    """`inflight serve` in a subprocess (tests, the pipeline launcher): `.url`, `.stop()`, context manager."""
+
+    def __init__(self, model: str, *, port: int = 0, host: str = "127.0.0.1", extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, log_path: str | None = None):
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        import httpx
+
+        from inflight.trainer.weight_sync import free_port
+
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = log_path or tempfile.mktemp(prefix=f"inflight-serve-{self.port}-", suffix=".log")
+        cmd = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(model), "--host", host,
+               "--port", str(self.port), *(extra_args or [])]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"inflight serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"inflight serve not healthy after {startup_timeout_s}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, n: int = 40) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,389 @@
+"""HTTP server of the built-in engine: the OpenAI-compatible API, metrics, and the weight-update contract
+(docs/inference-contract.md). `create_app(engine)` returns a FastAPI app; `inflight serve` runs it with uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
+from inflight.engine import openai_api as oa
+from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
+
+log = logging.getLogger("inflight.engine.server")
+LOCAL_HOSTS = {"127.0.0.1", "::1", "localhost", "testclient"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+class _Choice:
+    """One choice being generated: raw tokens as sampled, plus text with stop strings cut off."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.tops: list[list[tuple[int, float]]] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.sent = 0  # characters already streamed
+
+
+class _Generation:
+    """Drives one engine request (n choices) and applies stop strings on the decoded text."""
+
+    def __init__(self, engine: Any, prompt_ids: list[int], params: Any, stops: list[str], n: int, want_text: bool):
+        self.engine, self.prompt_ids, self.params, self.stops = engine, prompt_ids, params, stops
+        self.rid = uuid.uuid4().hex
+        self.choices = [_Choice(i) for i in range(n)]
+        self.incremental = bool(stops) or want_text  # decode after every token (stops / streaming)
+        self.hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
+
+    async def events(self) -> AsyncIterator[_Choice]:
+        """Yields the choice each engine event updated; aborts the engine request when done or cancelled."""
+        live = len(self.choices)  # choices still wanted by the client
+        engine_live = set(range(len(self.choices)))  # choices the engine has not finished
+        try:
+            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params):
+                ch = self.choices[ev.index]
+                if ev.finish_reason is not None:
+                    engine_live.discard(ev.index)
+                if ch.finish_reason is not None:
+                    continue  # already cut by a stop string
+                if ev.token_id >= 0:
+                    ch.token_ids.append(ev.token_id)
+                    ch.logprobs.append(float(ev.logprob))
+                    ch.versions.append(int(ev.version))
+                    if ev.top_logprobs is not None:
+                        ch.tops.append([(int(t), float(v)) for t, v in ev.top_logprobs])
+                    if self.incremental:
+                        self._update_text(ch)
+                if ev.finish_reason is not None and ch.finish_reason is None:
+                    ch.finish_reason = ev.finish_reason
+                if ch.finish_reason is not None:
+                    live -= 1
+                    if not self.incremental:
+                        ch.text = self.engine.tokenizer.decode(ch.token_ids, skip_special_tokens=True)
+                yield ch
+                if live == 0:
+                    break
+        finally:
+            if engine_live:  # stop strings hit, or the client went away
+                self.engine.abort(self.rid)
+
+    def _update_text(self, ch: _Choice) -> None:
+        text = self.engine.tokenizer.decode(ch.token_ids, skip_special_tokens=True)
+        if self.stops:
+            start = max(0, len(ch.text) - self.hold)
+            cuts = [i for s in self.stops if (i := text.find(s, start)) >= 0]
+            if cuts:
+                ch.text = text[: min(cuts)]
+                ch.finish_reason = "stop"
+                return
+        ch.text = text
+
+    def stream_delta(self, ch: _Choice) -> str:
+        """Text that is safe to send now (not a possible start of a stop string, not a partial character)."""
+        end = len(ch.text) if ch.finish_reason is not None else len(ch.text) - self.hold
+        if ch.finish_reason is None and ch.text.endswith("\ufffd"):
+            end = min(end, len(ch.text) - 1)
+        if end <= ch.sent:
+            return ""
+        delta, ch.sent = ch.text[ch.sent:end], end
+        return delta
+
+
+def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: bool = False,
+               max_n: int | None = None, manage_engine: bool = True, device: str = "cpu") -> FastAPI:
+    """The server app. `manage_engine`: start the engine with the app and stop it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            engine.start()
+        yield
+        if manage_engine:
+            engine.stop()
+
+    app = FastAPI(title="inflight engine", lifespan=lifespan)
+    receiver = WeightReceiver(engine, device=device)
+    app.state.receiver = receiver
+    limit_n = max_n or int(getattr(engine, "max_batch", 128))
+    tok_cache: dict[int, str] = {}
+
+    # ---- errors and auth --------------------------------------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            if e.get("type") == "json_invalid":
+                parts.append(f"malformed JSON body ({e.get('ctx', {}).get('error', e.get('msg'))})")
+            elif not loc and e.get("type") == "model_attributes_type":
+                parts.append("the body must be a JSON object (send Content-Type: application/json)")
+            else:
+                parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        return _error(400, "invalid request: " + "; ".join(parts), param=None)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    async def auth(request: Request) -> None:
+        if api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            log.warning("401 %s %s from %s: missing or wrong API key", request.method, request.url.path,
+                        request.client.host if request.client else "?")
+            raise HTTPException(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+
+    async def admin(request: Request) -> None:
+        host = request.client.host if request.client else ""
+        if not allow_remote_admin and host not in LOCAL_HOSTS:
+            log.warning("403 %s from %s: admin endpoints are local-only", request.url.path, host)
+            raise HTTPException(403, "admin endpoints accept local clients only (serve --allow-remote-admin)")
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def tok_str(tid: int) -> str:
+        s = tok_cache.get(tid)
+        if s is None:
+            s = tok_cache[tid] = engine.tokenizer.decode([tid])
+        return s
+
+    def check_model(name: str) -> None:
+        if name != engine.model_name:
+            raise BadRequest(f"model {name!r} does not exist; this server serves {engine.model_name!r}", "model",
+                             code="model_not_found")
+
+    def sampling(req: oa._Sampling, prompt_ids: list[int]) -> Any:
+        from inflight.engine.core import SamplingParams
+
+        ctx = engine.max_model_len
+        if len(prompt_ids) == 0:
+            raise BadRequest("the prompt is empty", "prompt")
+        if len(prompt_ids) >= ctx:
+            raise BadRequest(f"prompt has {len(prompt_ids)} tokens; the context is {ctx} tokens (prompt must be "
+                             f"shorter to leave room for at least one generated token)", "messages",
+                             code="context_length_exceeded")
+        max_new = req.max_new_tokens  # type: ignore[attr-defined]
+        if max_new is None:
+            max_new = ctx - len(prompt_ids)
+        elif len(prompt_ids) + max_new > ctx:
+            raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the context of "
+                             f"{ctx} tokens", "max_tokens", code="context_length_exceeded")
+        if req.n > limit_n:
+            raise BadRequest(f"n={req.n} is over this server's limit of {limit_n}", "n")
+        vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
+        bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids out of vocabulary: {bad[:5]}", "stop_token_ids")
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_new,
+            stop_token_ids=list(req.stop_token_ids), seed=req.seed, n=req.n,
+            top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,  # type: ignore[attr-defined]
+        )
+
+    def chat_prompt(req: oa.ChatCompletionRequest) -> list[int]:
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        try:
+            ids = engine.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False)
+        except Exception as e:  # a template may raise on e.g. a role order it does not allow
+            raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    def text_prompt(req: oa.CompletionRequest) -> list[int]:
+        p = req.single_prompt()
+        if isinstance(p, str):
+            return list(engine.tokenizer.encode(p, add_special_tokens=False))
+        vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}", "prompt")
+        return list(p)
+
+    def choice_body(kind: str, ch: _Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
+                    delta: str | None = None, new: slice | None = None) -> dict[str, Any]:
+        sl = new or slice(0, len(ch.token_ids))
+        ids, lps = ch.token_ids[sl], ch.logprobs[sl]
+        lp = None
+        if want_lp:
+            toks = [tok_str(t) for t in ids]
+            tops = [[(tok_str(t), v) for t, v in row[:top_n]] for row in ch.tops[sl]] if top_n else None
+            lp = (oa.chat_logprobs if kind == "chat" else oa.completion_logprobs)(toks, lps, tops)
+        text = ch.text if delta is None else delta
+        body: dict[str, Any] = {"index": ch.index}
+        if kind == "chat":
+            if delta is None:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["delta"] = {"content": text} if text or ids else {}
+        else:
+            body["text"] = text
+        body.update(logprobs=lp, finish_reason=ch.finish_reason, token_ids=ids, token_versions=ch.versions[sl])
+        if delta is None or new is None or new.start == 0:
+            body["prompt_token_ids"] = prompt_ids
+        return body
+
+    async def run_full(kind: str, request: Request, gen: _Generation, model: str, top_n: int, want_lp: bool):
+        """Non-streaming: generate every choice; cancel when the client goes away."""
+
+        async def consume() -> None:
+            async for _ in gen.events():
+                pass
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # client left: cancelling runs the generator's finally (engine.abort)
+                work.cancel()
+        if work.cancelled():
+            log.info("client disconnected; request %s aborted", gen.rid)
+            return JSONResponse({}, 499)
+        work.result()
+        body = [choice_body(kind, ch, gen.prompt_ids, top_n, want_lp) for ch in gen.choices]
+        use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
+        return JSONResponse(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
+
+    def run_stream(kind: str, gen: _Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+        rid = f"{kind}-{gen.rid}"
+
+        def sse(choices: list[dict], use: dict | None = None) -> str:
+            return "data: " + json.dumps(oa.envelope(kind, rid, model, choices, use, chunk=True)) + "\n\n"  # type: ignore[arg-type]
+
+        async def body() -> AsyncIterator[str]:
+            if kind == "chat":  # OpenAI's first chunk announces the role
+                yield sse([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for c in gen.choices])
+            done_tokens = [0] * len(gen.choices)
+            async for ch in gen.events():
+                new = slice(done_tokens[ch.index], len(ch.token_ids))
+                delta = gen.stream_delta(ch)
+                if new.start == new.stop and not delta and ch.finish_reason is None:
+                    continue
+                done_tokens[ch.index] = new.stop
+                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new)])
+            if include_usage:
+                use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
+                yield sse([], use)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
+        check_model(req.model)
+        prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
+        params = sampling(req, prompt_ids)
+        want_lp = req.logprobs is not None and req.logprobs is not False
+        gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
+        if req.stream:
+            inc = bool(req.stream_options and req.stream_options.include_usage)
+            return run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
+        return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp)
+
+    # ---- OpenAI API -------------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: oa.ChatCompletionRequest, request: Request):
+        return await complete("chat", request, req)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(req: oa.CompletionRequest, request: Request):
+        return await complete("text", request, req)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "inflight", "max_model_len": engine.max_model_len,
+                                            "version": engine.version}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.model_name, "version": engine.version}
+
+    @app.get("/metrics", dependencies=[Depends(auth)])
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(engine.stats(), receiver.updates))
+
+    # ---- weight-update contract -------------------------------------------------------------------------------
+    @app.post("/init_process_group", dependencies=[Depends(auth), Depends(admin)])
+    async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
+        try:
+            return await receiver.init_process_group(req)
+        except WeightUpdateError as e:
+            raise BadRequest(str(e), status=e.status) from e
+        except Exception as e:  # rendezvous failed (timeout, unreachable store)
+            raise BadRequest(f"could not join the process group: {e}", status=500) from e
+
+    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin)])
+    async def request_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
+        try:
+            return await receiver.update(req)
+        except WeightUpdateError as e:
+            log.warning("weight update v%d rejected: %s", req.version, e)
+            raise BadRequest(str(e), status=e.status) from e
+
+    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin)])
+    async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
+        """Optional dry run: the same checks as /request_weight_update, nothing received or changed."""
+        try:
+            receiver.validate(req)
+        except WeightUpdateError as e:
+            raise BadRequest(str(e), status=e.status) from e
+        return {"ok": True}
+
+    return app
+
+
+def prometheus_text(stats: dict[str, Any], updates: int) -> str:
+    rows = [
+        ("inflight_running_requests", "gauge", "sequences being decoded", stats.get("running", 0)),
+        ("inflight_waiting_requests", "gauge", "sequences waiting for a batch slot", stats.get("waiting", 0)),
+        ("inflight_generated_tokens_total", "counter", "tokens generated", stats.get("generated_tokens_total", 0)),
+        ("inflight_batch_occupancy", "gauge", "running / max batch", stats.get("batch_occupancy", 0.0)),
+        ("inflight_weight_version", "gauge", "version of the loaded weights", stats.get("version", 0)),
+        ("inflight_paused_seconds_total", "counter", "seconds generation was paused for weight updates",
+         stats.get("paused_seconds_total", 0.0)),
+        ("inflight_engine_steps_total", "counter", "engine steps", stats.get("steps", 0)),
+        ("inflight_weight_updates_total", "counter", "weight updates applied", updates),
+    ]
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(value):g}"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,189 @@
+"""Server side of the weight-update contract: join the trainer's process group, validate an announced update,
+receive it (one broadcast per tensor from rank 0, or a safetensors file), and hand it to the engine all at once.
+
+Rules (docs/inference-contract.md): an announcement is checked against `engine.param_specs()` before anything is
+received — unknown name, wrong shape, wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing
+changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers; the engine swaps
+them in with one `load_weights` call inside `run_paused`, so the model is never half-updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest
+
+log = logging.getLogger("inflight.engine.weights")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WeightUpdateError(ValueError):
+    """The announcement does not fit the model (HTTP 400) — or, with status 409, the receiver is not ready."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Raise WeightUpdateError naming every problem of the announced list (empty list of problems = fine)."""
+    problems, seen = [], set()
+    for p in params:
+        if p.name in seen:
+            problems.append(f"duplicate tensor {p.name!r}")
+            continue
+        seen.add(p.name)
+        if p.name not in specs:
+            problems.append(f"unknown tensor {p.name!r}")
+            continue
+        shape, dtype = specs[p.name]
+        if tuple(p.shape) != tuple(shape):
+            problems.append(f"{p.name}: shape {list(p.shape)} != model's {list(shape)}")
+        if DTYPES[p.dtype] != dtype:
+            problems.append(f"{p.name}: dtype {p.dtype} != model's {DTYPE_NAMES.get(dtype, str(dtype))}")
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
+        raise WeightUpdateError(f"weight update rejected: {shown}")
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES.get(t.dtype, "float32")) for n, t in
+             tensors.items()]
+    bad_dtype = [n for n, t in tensors.items() if t.dtype not in DTYPE_NAMES]
+    if bad_dtype:
+        raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad_dtype[:5]}")
+    if not infos:
+        raise WeightUpdateError("weight update rejected: the file holds no tensors")
+    check_params(infos, specs)
+
+
+class WeightReceiver:
+    """Owns the weight-update process group of one server and applies updates to its engine."""
+
+    def __init__(self, engine: Any, device: str = "cpu"):
+        self.engine = engine
+        self.device = device
+        self.group: Any = None
+        self.rank = -1
+        self.world_size = 0
+        self._lock = asyncio.Lock()  # one update (or join) at a time
+        self.updates = 0
+        self.last_update: dict[str, Any] = {}
+
+    # ---- process group --------------------------------------------------------------------------------------
+    async def init_process_group(self, req: InitProcessGroupRequest) -> dict[str, Any]:
+        if req.rank_offset >= req.world_size:
+            raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
+        if req.backend == "nccl" and not torch.cuda.is_available():
+            raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server has none (use 'gloo')")
+        async with self._lock:
+            # Joining blocks until every rank has connected: run it in a thread, never on the event loop.
+            self.group = await asyncio.to_thread(_join_group, req)
+            self.rank, self.world_size = req.rank_offset, req.world_size
+        log.info("joined weight group %s: rank %d of %d via %s:%d (%s)", req.group_name, req.rank_offset,
+                 req.world_size, req.master_address, req.master_port, req.backend)
+        return {"rank": self.rank, "world_size": self.world_size, "backend": req.backend}
+
+    # ---- updates ----------------------------------------------------------------------------------------------
+    def validate(self, req: WeightUpdateRequest) -> None:
+        if req.params is not None:
+            if self.group is None:
+                raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
+            check_params(req.params, self.engine.param_specs())
+
+    async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
+        """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
+        self.validate(req)
+        if self._lock.locked():
+            raise WeightUpdateError("another weight update is in progress", status=409)
+        async with self._lock:
+            t0 = time.perf_counter()
+            if req.path is not None:
+                tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
+                check_tensors(tensors, self.engine.param_specs())
+                read_s = time.perf_counter() - t0
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                ntensors = len(tensors)
+
+                def apply() -> float:
+                    p0 = time.perf_counter()
+                    self.engine.load_weights(tensors, req.version, req.mode)
+                    return time.perf_counter() - p0
+            else:
+                specs = self.engine.param_specs()
+                params = req.params or []
+                nbytes = sum(_numel(p.shape) * DTYPES[p.dtype].itemsize for p in params)
+                read_s, ntensors = 0.0, len(params)
+
+                def apply() -> float:
+                    p0 = time.perf_counter()
+                    received = {p.name: self._receive(tuple(p.shape), specs[p.name][1]) for p in params}
+                    self.engine.load_weights(received, req.version, req.mode)
+                    return time.perf_counter() - p0
+
+            pause_s = await self.engine.run_paused(apply)
+        self.updates += 1
+        total_s = time.perf_counter() - t0
+        self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s}
+        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs%s",
+                 req.version, "file" if req.path else "broadcast", ntensors, nbytes / 1e6,
+                 req.mode, pause_s, total_s, f" (read {read_s:.3f}s)" if req.path else "")
+        return {"version": req.version, "pause_s": pause_s}
+
+    def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        self.group.broadcast([buf], _bcast_opts(root=0)).wait()
+        return buf
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _bcast_opts(root: int) -> Any:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    return opts
+
+
+def _join_group(req: InitProcessGroupRequest) -> Any:
+    """Build the group on the trainer's TCPStore, without a key prefix and without a default group."""
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=req.timeout_s)
+    store = TCPStore(req.master_address, req.master_port, req.world_size, is_master=False, timeout=timeout)
+    if req.backend == "gloo":
+        return ProcessGroupGloo(store, req.rank_offset, req.world_size, timeout)
+    from torch.distributed import ProcessGroupNCCL  # GPU: same rendezvous, NCCL transport
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupNCCL(store, req.rank_offset, req.world_size, opts)
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    """safetensors only (never pickle): a plain file that the server process can read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isabs(path):
+        raise WeightUpdateError(f"path must be absolute: {path!r}")
+    if not os.path.isfile(path):
+        raise WeightUpdateError(f"no such file: {path!r}")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightUpdateError(f"not a readable safetensors file: {path!r} ({e})") from e
+

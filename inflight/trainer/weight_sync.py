@@ -1,0 +1,194 @@
+"""Trainer side of the weight-update contract (docs/inference-contract.md): rank 0 hosts the TCPStore, asks every
+server to join the process group, and after each optimizer step announces the tensors and broadcasts them.
+
+    client = WeightSyncClient(["http://127.0.0.1:8100"])
+    client.init_process_group()
+    stats = client.push(trainer.named_weights(), version=trainer.version)
+
+Each tensor is one broadcast (measured: per-tensor gloo broadcasts beat one flattened buffer, FACTS.md), sent in
+the announced order and converted to the servers' dtype. `transport="file"` writes one safetensors file under
+/dev/shm instead and posts its path (single host only).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from typing import Any, Iterable
+
+import httpx
+import torch
+
+log = logging.getLogger("inflight.trainer.weight_sync")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class WeightSyncError(RuntimeError):
+    """A server rejected an update, failed, or did not answer in time (the message names it)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class WeightSyncClient:
+    def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int = 0, backend: str = "gloo", transport: str = "process_group",
+                 timeout_s: float = 600.0, dtype: str | None = None, shm_dir: str = "/dev/shm",
+                 precheck: bool = True):
+        if transport not in ("process_group", "file"):
+            raise ValueError(f"transport must be 'process_group' or 'file', not {transport!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
+        if not server_urls:
+            raise ValueError("no server urls")
+        self.urls = [u.rstrip("/") for u in server_urls]
+        self.master_address, self.master_port = master_address, master_port
+        self.backend, self.transport, self.timeout_s = backend, transport, timeout_s
+        self.dtype = DTYPES[dtype] if dtype else None  # None: send tensors in their own dtype
+        self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
+        self.precheck = precheck
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="weight-sync")
+        self.store: Any = None
+        self.group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.urls)
+
+    # ---- process group ----------------------------------------------------------------------------------------
+    def init_process_group(self, group_name: str = "inflight_weights") -> None:
+        """Host the store, ask every server to join (concurrently), and join as rank 0."""
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
+        if self.transport == "file":
+            return  # the file transport needs no group
+        self.master_port = self.master_port or free_port()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        # wait_for_workers=False: otherwise the constructor blocks until every server has connected (FACTS.md).
+        self.store = TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
+                              timeout=timeout, wait_for_workers=False)
+        posts = [self.pool.submit(self._post, url, "/init_process_group", {
+            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1 + i,
+            "world_size": self.world_size, "backend": self.backend, "group_name": group_name,
+            "timeout_s": self.timeout_s}) for i, url in enumerate(self.urls)]
+        try:
+            if self.backend == "gloo":
+                self.group = ProcessGroupGloo(self.store, 0, self.world_size, timeout)
+            else:
+                from torch.distributed import ProcessGroupNCCL
+
+                opts = ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.group = ProcessGroupNCCL(self.store, 0, self.world_size, opts)
+        finally:
+            self._collect(posts, "init_process_group")
+        log.info("weight group up: %d servers, %s:%d (%s)", len(self.urls), self.master_address, self.master_port,
+                 self.backend)
+
+    # ---- updates ----------------------------------------------------------------------------------------------
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int, mode: str = "keep") -> dict:
+        """Send new weights to every server; returns {bytes, seconds, pause_s: {url: s}, version}."""
+        t0 = time.perf_counter()
+        tensors = [(n, self._convert(t)) for n, t in named_weights]
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        if self.transport == "file":
+            answers = self._push_file(tensors, version, mode)
+        else:
+            answers = self._push_broadcast(tensors, version, mode)
+        seconds = time.perf_counter() - t0
+        pause = {url: float(a["pause_s"]) for url, a in zip(self.urls, answers)}
+        log.info("pushed v%d: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version, len(tensors),
+                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
+        return {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
+                "num_tensors": len(tensors)}
+
+    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.dtype is not None and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        if t.dtype not in DTYPE_NAMES:
+            raise WeightSyncError(f"cannot send dtype {t.dtype} (float32, bfloat16, float16 only)")
+        return t.contiguous()
+
+    def _push_broadcast(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+        if self.group is None:
+            raise WeightSyncError("call init_process_group() before push()")
+        body = {"version": version, "mode": mode, "params": [
+            {"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors]}
+        if self.precheck:  # dry run first: a server that would reject must not leave the others waiting
+            self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True) for u in self.urls],
+                          "check_weight_update")
+        posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        try:
+            for _, t in tensors:
+                self.group.broadcast([t], opts).wait()
+        except Exception as e:
+            self._collect(posts, "request_weight_update")  # a server's own error is the better message
+            raise WeightSyncError(f"broadcast of v{version} failed: {e}") from e
+        return self._collect(posts, "request_weight_update")
+
+    def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+        from safetensors.torch import save_file
+
+        final = os.path.join(self.shm_dir, f"inflight-weights-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
+        tmp = final + ".tmp"
+        try:
+            save_file({n: t for n, t in tensors}, tmp)
+            os.replace(tmp, final)  # servers never see a half-written file
+            body = {"version": version, "mode": mode, "path": final}
+            return self._collect([self.pool.submit(self._post, u, "/request_weight_update", body) for u in
+                                  self.urls], "request_weight_update")
+        finally:
+            for p in (tmp, final):
+                if os.path.exists(p):
+                    os.remove(p)
+
+    # ---- HTTP -------------------------------------------------------------------------------------------------
+    def _post(self, url: str, path: str, body: dict, optional: bool = False) -> dict:
+        try:
+            r = self.http.post(url + path, json=body)
+        except httpx.TimeoutException as e:
+            raise WeightSyncError(f"server {url}: {path} timed out after {self.timeout_s:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"server {url}: {path} failed: {e}") from e
+        if optional and r.status_code == 404:
+            return {}  # a backend without the optional dry-run endpoint
+        if r.status_code != 200:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text[:500]
+            raise WeightSyncError(f"server {url} rejected {path} (HTTP {r.status_code}): {msg}")
+        return r.json()
+
+    def _collect(self, futures: list[cf.Future], what: str) -> list[dict]:
+        errors, answers = [], []
+        for f in futures:
+            try:
+                answers.append(f.result())
+            except Exception as e:
+                errors.append(str(e))
+        if errors:
+            raise WeightSyncError(f"{what}: " + " | ".join(errors))
+        return answers
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+        self.group = None
+        self.store = None

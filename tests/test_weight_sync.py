@@ -1,0 +1,191 @@
+"""The weight-update contract end to end: this test process is trainer rank 0 (WeightSyncClient, gloo), the server
+is `inflight serve` in a subprocess. Server logprobs are compared with an independent transformers forward."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+
+torch.set_num_threads(1)
+MSG = [{"role": "user", "content": "3+4="}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from inflight.engine.serve import ServerProcess
+
+    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
+                       env={"OMP_NUM_THREADS": "1"}) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def sync(server):
+    c = WeightSyncClient([server.url], timeout_s=60)
+    c.init_process_group()
+    yield c
+    c.close()
+
+
+def perturbed(hf, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + scale * torch.randn(p.shape, generator=g) for n, p in hf.named_parameters()}
+
+
+def reference_logprobs(hf, weights: dict[str, torch.Tensor], ids: list[int], n_prompt: int, temp: float) -> list[float]:
+    """log p(token_t | tokens_<t) at temperature `temp`, float64 softmax over a float32 HF forward."""
+    hf.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits / temp, dim=-1)
+    return [lp[t - 1, ids[t]].item() for t in range(n_prompt, len(ids))]
+
+
+@functools.lru_cache
+def model_of(url: str) -> str:
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
+def chat(url: str, **kw) -> dict:
+    body = {"model": model_of(url), "messages": MSG, "max_tokens": 8, "logprobs": True, "ignore_eos": True, **kw}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def server_logprobs(choice: dict) -> list[float]:
+    return [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def check_matches(hf, weights, choice: dict, temp: float) -> None:
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    ref = reference_logprobs(hf, weights, ids, len(choice["prompt_token_ids"]), temp)
+    got = server_logprobs(choice)
+    assert len(got) == len(ref) > 0
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
+
+
+def fingerprint(url: str) -> tuple:
+    ch = chat(url, seed=5, temperature=1.0, max_tokens=6, top_logprobs=5)
+    return tuple(ch["token_ids"]), tuple(server_logprobs(ch)), httpx.get(url + "/health").json()["version"]
+
+
+def test_broadcast_update_changes_logprobs_to_new_weights(server, hf, sync):
+    original = {n: p.detach().clone() for n, p in hf.named_parameters()}
+    before = chat(server.url, temperature=0.8)
+    check_matches(hf, original, before, 0.8)  # before any update: the saved weights
+    new = perturbed(hf, seed=1)
+    stats = sync.push(new.items(), version=1)
+    assert stats["bytes"] == sum(t.numel() * 4 for t in new.values()) and stats["pause_s"][server.url] >= 0
+    after = chat(server.url, temperature=0.8)
+    assert set(after["token_versions"]) == {1}
+    check_matches(hf, new, after, 0.8)
+    with pytest.raises(AssertionError):  # the old weights no longer explain the server's logprobs
+        check_matches(hf, original, after, 0.8)
+    assert httpx.get(server.url + "/health").json()["version"] == 1
+    assert "inflight_weight_version 1" in httpx.get(server.url + "/metrics").text
+
+
+def test_bad_updates_are_rejected_and_change_nothing(server, hf, sync):
+    sync.push(perturbed(hf, seed=2).items(), version=2)
+    ref = fingerprint(server.url)
+    spec = [{"name": n, "shape": list(p.shape), "dtype": "float32"} for n, p in hf.named_parameters()]
+    bad_bodies = {
+        "shape": [{**spec[0], "shape": [3, 3]}],
+        "unknown": [{"name": "no.such.weight", "shape": [4], "dtype": "float32"}],
+        "duplicate": [spec[1], spec[1]],
+        "dtype": [{**spec[0], "dtype": "bfloat16"}],
+    }
+    for what, params in bad_bodies.items():
+        r = httpx.post(server.url + "/request_weight_update", json={"version": 9, "params": params}, timeout=10)
+        assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
+    r = httpx.post(server.url + "/request_weight_update", json={"version": 9, "path": "/dev/shm/missing.st"})
+    assert r.status_code == 400 and "no such file" in r.text
+    # through the client: a wrong tensor is refused before anything is broadcast, naming the server
+    wrong = [(n, t if i else torch.zeros(2, 2)) for i, (n, t) in enumerate(perturbed(hf, 3).items())]
+    with pytest.raises(WeightSyncError, match=server.url):
+        sync.push(wrong, version=9)
+    assert fingerprint(server.url) == ref  # weights and version exactly as they were
+    # and the group is still usable
+    new = perturbed(hf, seed=4)
+    sync.push(new.items(), version=3)
+    check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
+
+
+def test_file_transport(server, hf):
+    new = perturbed(hf, seed=5)
+    c = WeightSyncClient([server.url], transport="file")
+    stats = c.push(new.items(), version=4, mode="interrupt")
+    c.close()
+    assert stats["num_tensors"] == len(new)
+    after = chat(server.url, temperature=1.0)
+    assert set(after["token_versions"]) == {4}
+    check_matches(hf, new, after, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["keep", "interrupt"])
+def test_update_during_long_generation(server, hf, sync, mode):
+    """A generation spanning an update: versions switch once; interrupt = fresh forward of the new weights."""
+    base = 10 if mode == "keep" else 20
+    old = perturbed(hf, seed=base)
+    sync.push(old.items(), version=base)
+    new = perturbed(hf, seed=base + 1)
+    for _attempt in range(3):
+        seen: list[int] = []
+        result: dict = {}
+
+        def generate() -> None:
+            body = {"model": model_of(server.url), "messages": MSG, "max_tokens": 400, "ignore_eos": True, "n": 4,
+                    "logprobs": True, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                import json
+
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        ch = json.loads(line[6:])["choices"][0]
+                        if ch["index"] == 0:
+                            seen.extend(ch.get("token_ids", []))
+                            result.setdefault("versions", []).extend(ch.get("token_versions", []))
+                            result.setdefault("lps", []).extend(
+                                e["logprob"] for e in (ch["logprobs"] or {}).get("content", []))
+                            if "prompt_token_ids" in ch:
+                                result["prompt"] = ch["prompt_token_ids"]
+
+        t = threading.Thread(target=generate)
+        t.start()
+        while len(seen) < 10 and t.is_alive():
+            time.sleep(0.005)
+        sync.push(new.items(), version=base + 1, mode=mode)
+        t.join()
+        versions = result["versions"]
+        if versions[-1] == base + 1 and versions[0] == base:
+            break
+    else:
+        pytest.fail("the generation never spanned the update")
+    switch = versions.index(base + 1)
+    assert versions == [base] * switch + [base + 1] * (len(versions) - switch)
+    ids, n_prompt = result["prompt"] + seen, len(result["prompt"])
+    got = result["lps"]
+    ref_old = reference_logprobs(hf, old, ids, n_prompt, 1.0)
+    assert max(abs(a - b) for a, b in zip(got[:switch], ref_old[:switch])) < 1e-4
+    ref_new = reference_logprobs(hf, new, ids, n_prompt, 1.0)
+    err_new = max(abs(a - b) for a, b in zip(got[switch:], ref_new[switch:]))
+    if mode == "interrupt":
+        diffs = [round(a - b, 5) for a, b in zip(got[switch:], ref_new[switch:])]
+        assert err_new < 1e-4, (switch, len(got), diffs[:20], [i for i, d in enumerate(diffs) if abs(d) > 1e-4][:20])
+    else:  # keep: later tokens attend to KV computed by the old weights, so a fresh forward differs
+        assert err_new > 1e-3
