@@ -45,7 +45,8 @@ class _Sampling(_Lenient):
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, description="extension; 0 or -1 = off")
+    # bounded: the engine packs sampling values into int64 / float32 tensors for the whole batch
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1, description="extension; 0 or -1 = off")
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -21,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env INFLIGHT_API_KEY)")
     p.add_argument("--allow-remote-admin", action="store_true",
                    help="accept /init_process_group and /request_weight_update from non-local clients")
+    p.add_argument("--max-waiting", type=int, default=-1,
+                   help="sequences that may wait beyond --max-batch; more get HTTP 429 (default -1: no limit)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get HTTP 413")
+    p.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
+                   help="refuse weight updates holding NaN/Inf (checked after receiving, before applying)")
     p.add_argument("--log-level", default="info")
 
 
@@ -34,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads)
-    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device)
+    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
+                     max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                     max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
     # One worker process: the engine owns the model; a big backlog so 1,000 concurrent clients can connect.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, backlog=4096,
                 timeout_keep_alive=30)

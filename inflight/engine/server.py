@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
 from inflight.engine import openai_api as oa
+from inflight.engine.guards import Admission, BodyLimit, QueueFull, check_master_address
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
 
 log = logging.getLogger("inflight.engine.server")
@@ -112,8 +113,13 @@ class _Generation:
 
 
 def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: bool = False,
-               max_n: int | None = None, manage_engine: bool = True, device: str = "cpu") -> FastAPI:
-    """The server app. `manage_engine`: start the engine with the app and stop it at shutdown."""
+               max_n: int | None = None, manage_engine: bool = True, device: str = "cpu",
+               max_waiting: int | None = None, max_body_bytes: int = 8 * 2**20, reject_nonfinite: bool = True,
+               own_port: int | None = None) -> FastAPI:
+    """The server app. `manage_engine`: start the engine with the app and stop it at shutdown.
+    Protections (docs/reliability.md): `max_waiting` sequences may queue beyond the running batch (None: no
+    limit), more get 429; bodies over `max_body_bytes` get 413; `reject_nonfinite` refuses weight updates holding
+    NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group master port."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,8 +130,11 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             engine.stop()
 
     app = FastAPI(title="inflight engine", lifespan=lifespan)
-    receiver = WeightReceiver(engine, device=device)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    receiver = WeightReceiver(engine, device=device, reject_nonfinite=reject_nonfinite)
     app.state.receiver = receiver
+    admission = Admission(int(getattr(engine, "max_batch", 128)), max_waiting)
+    app.state.admission = admission
     limit_n = max_n or int(getattr(engine, "max_batch", 128))
     tok_cache: dict[int, str] = {}
 
@@ -147,6 +156,13 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(exc.status, exc.message, exc.param, exc.code)
 
+    @app.exception_handler(QueueFull)
+    async def _busy(_: Request, exc: QueueFull) -> JSONResponse:
+        log.info("429: %s", exc)
+        response = _error(429, str(exc), code="queue_full")
+        response.headers["Retry-After"] = "1"
+        return response
+
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail))
@@ -164,6 +180,17 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         if not allow_remote_admin and host not in LOCAL_HOSTS:
             log.warning("403 %s from %s: admin endpoints are local-only", request.url.path, host)
             raise HTTPException(403, "admin endpoints accept local clients only (serve --allow-remote-admin)")
+
+    async def update_limits(request: Request) -> None:
+        """A valid update names each parameter at most once: refuse longer lists before they are validated."""
+        try:
+            body = await request.json()
+        except Exception:
+            return  # malformed JSON: the body validation answers 400 with the parser's message
+        params = body.get("params") if isinstance(body, dict) else None
+        cap = len(engine.param_specs())
+        if isinstance(params, list) and len(params) > cap:
+            raise HTTPException(413, f"'params' lists {len(params)} tensors; the model has {cap} parameters")
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def tok_str(tid: int) -> str:
@@ -224,7 +251,10 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
     def text_prompt(req: oa.CompletionRequest) -> list[int]:
         p = req.single_prompt()
         if isinstance(p, str):
-            return list(engine.tokenizer.encode(p, add_special_tokens=False))
+            try:
+                return list(engine.tokenizer.encode(p, add_special_tokens=False))
+            except Exception as e:  # e.g. lone surrogates that JSON allows but UTF-8 does not
+                raise BadRequest(f"the prompt could not be tokenized: {e}", "prompt") from e
         vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
@@ -312,11 +342,17 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
         params = sampling(req, prompt_ids)
         want_lp = req.logprobs is not None and req.logprobs is not False
-        gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
-        if req.stream:
-            inc = bool(req.stream_options and req.stream_options.include_usage)
-            return run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
-        return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp)
+        release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
+        try:
+            gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
+            if req.stream:
+                inc = bool(req.stream_options and req.stream_options.include_usage)
+                stream = run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
+                return _Releasing(stream, release)
+            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp)
+        finally:
+            if not req.stream:
+                release()
 
     # ---- OpenAI API -------------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
@@ -339,19 +375,25 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
 
     @app.get("/metrics", dependencies=[Depends(auth)])
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(engine.stats(), receiver.updates))
+        return PlainTextResponse(prometheus_text(engine.stats(), receiver.updates, admission.rejected))
 
     # ---- weight-update contract -------------------------------------------------------------------------------
     @app.post("/init_process_group", dependencies=[Depends(auth), Depends(admin)])
-    async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
+    async def init_process_group(req: InitProcessGroupRequest, request: Request) -> dict[str, Any]:
+        client = request.client.host if request.client else ""
+        try:  # getaddrinfo blocks: off the event loop
+            ip = await asyncio.to_thread(check_master_address, req.master_address, req.master_port, client, own_port)
+        except ValueError as e:
+            log.warning("403 /init_process_group from %s: %s", client, e)
+            raise BadRequest(str(e), "master_address", status=403) from e
         try:
-            return await receiver.init_process_group(req)
+            return await receiver.init_process_group(req, connect_to=ip)
         except WeightUpdateError as e:
             raise BadRequest(str(e), status=e.status) from e
         except Exception as e:  # rendezvous failed (timeout, unreachable store)
             raise BadRequest(f"could not join the process group: {e}", status=500) from e
 
-    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin)])
+    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits)])
     async def request_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         try:
             return await receiver.update(req)
@@ -359,7 +401,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             log.warning("weight update v%d rejected: %s", req.version, e)
             raise BadRequest(str(e), status=e.status) from e
 
-    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin)])
+    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits)])
     async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         """Optional dry run: the same checks as /request_weight_update, nothing received or changed."""
         try:
@@ -371,7 +413,21 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
     return app
 
 
-def prometheus_text(stats: dict[str, Any], updates: int) -> str:
+class _Releasing(StreamingResponse):
+    """A streaming response that frees its admission slot however the stream ends (even if never started)."""
+
+    def __init__(self, inner: StreamingResponse, release: Any):
+        super().__init__(inner.body_iterator, media_type=inner.media_type)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def prometheus_text(stats: dict[str, Any], updates: int, rejected: int = 0) -> str:
     rows = [
         ("inflight_running_requests", "gauge", "sequences being decoded", stats.get("running", 0)),
         ("inflight_waiting_requests", "gauge", "sequences waiting for a batch slot", stats.get("waiting", 0)),
@@ -382,6 +438,7 @@ def prometheus_text(stats: dict[str, Any], updates: int) -> str:
          stats.get("paused_seconds_total", 0.0)),
         ("inflight_engine_steps_total", "counter", "engine steps", stats.get("steps", 0)),
         ("inflight_weight_updates_total", "counter", "weight updates applied", updates),
+        ("inflight_rejected_requests_total", "counter", "requests refused with 429 (queue limit)", rejected),
     ]
     out = []
     for name, kind, help_, value in rows:

@@ -5,6 +5,8 @@ Rules (docs/inference-contract.md): an announcement is checked against `engine.p
 received — unknown name, wrong shape, wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing
 changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers; the engine swaps
 them in with one `load_weights` call inside `run_paused`, so the model is never half-updated.
+With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
+received and before anything is applied: the weights stay as they were.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...]
         raise WeightUpdateError(f"weight update rejected: {shown}")
 
 
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Raise WeightUpdateError naming the tensors that hold NaN or Inf."""
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
+
+
 def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
     infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES.get(t.dtype, "float32")) for n, t in
              tensors.items()]
@@ -69,9 +79,10 @@ def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple
 class WeightReceiver:
     """Owns the weight-update process group of one server and applies updates to its engine."""
 
-    def __init__(self, engine: Any, device: str = "cpu"):
+    def __init__(self, engine: Any, device: str = "cpu", reject_nonfinite: bool = True):
         self.engine = engine
         self.device = device
+        self.reject_nonfinite = reject_nonfinite
         self.group: Any = None
         self.rank = -1
         self.world_size = 0
@@ -80,14 +91,15 @@ class WeightReceiver:
         self.last_update: dict[str, Any] = {}
 
     # ---- process group --------------------------------------------------------------------------------------
-    async def init_process_group(self, req: InitProcessGroupRequest) -> dict[str, Any]:
+    async def init_process_group(self, req: InitProcessGroupRequest, connect_to: str | None = None) -> dict[str, Any]:
+        """`connect_to`: the checked IP of req.master_address (the server resolves and vets the name first)."""
         if req.rank_offset >= req.world_size:
             raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server has none (use 'gloo')")
         async with self._lock:
             # Joining blocks until every rank has connected: run it in a thread, never on the event loop.
-            self.group = await asyncio.to_thread(_join_group, req)
+            self.group = await asyncio.to_thread(_join_group, req, connect_to or req.master_address)
             self.rank, self.world_size = req.rank_offset, req.world_size
         log.info("joined weight group %s: rank %d of %d via %s:%d (%s)", req.group_name, req.rank_offset,
                  req.world_size, req.master_address, req.master_port, req.backend)
@@ -110,6 +122,8 @@ class WeightReceiver:
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
                 check_tensors(tensors, self.engine.param_specs())
+                if self.reject_nonfinite:
+                    check_finite(tensors)
                 read_s = time.perf_counter() - t0
                 nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
                 ntensors = len(tensors)
@@ -127,6 +141,8 @@ class WeightReceiver:
                 def apply() -> float:
                     p0 = time.perf_counter()
                     received = {p.name: self._receive(tuple(p.shape), specs[p.name][1]) for p in params}
+                    if self.reject_nonfinite:  # every broadcast was received: the group stays in step
+                        check_finite(received)
                     self.engine.load_weights(received, req.version, req.mode)
                     return time.perf_counter() - p0
 
@@ -158,12 +174,12 @@ def _bcast_opts(root: int) -> Any:
     return opts
 
 
-def _join_group(req: InitProcessGroupRequest) -> Any:
+def _join_group(req: InitProcessGroupRequest, address: str) -> Any:
     """Build the group on the trainer's TCPStore, without a key prefix and without a default group."""
     from torch.distributed import ProcessGroupGloo, TCPStore
 
     timeout = datetime.timedelta(seconds=req.timeout_s)
-    store = TCPStore(req.master_address, req.master_port, req.world_size, is_master=False, timeout=timeout)
+    store = TCPStore(address, req.master_port, req.world_size, is_master=False, timeout=timeout)
     if req.backend == "gloo":
         return ProcessGroupGloo(store, req.rank_offset, req.world_size, timeout)
     from torch.distributed import ProcessGroupNCCL  # GPU: same rendezvous, NCCL transport

@@ -8,6 +8,7 @@ class TrainerConfig:
     device: str = "cpu"
     precision: str = "float32"  # float32 | bf16-mixed (GPU)
     gradient_checkpointing: bool = False
+    attention: str = "auto"  # auto | inflight_packed (per-sample SDPA) | sdpa (4D mask) | eager | flash_attention_2
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

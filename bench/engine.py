@@ -1,0 +1,137 @@
+"""Decode throughput of the built-in engine beside HF `generate` (static batch) and transformers'
+ContinuousBatchingManager (`generate_batch` with an explicit ContinuousBatchingConfig), on llama models built
+locally from config. Prints tokens/s and ratios from one run.
+
+    .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--no-cb]
+
+For each (model, batch) the engine, HF `generate` and (at --cb-batches) the CB manager run back to back, so they see
+the same machine load. On a shared, oversubscribed machine use --threads 1: with more threads than free cores,
+OpenMP barriers make every library slow by a varying factor and the ratios mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "tiny": (128, 3, 4, 2, 384, 512),
+    "small": (256, 6, 8, 4, 768, 2048),
+}
+
+
+def build(out: Path, size: str) -> tuple[Path, int]:
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0").save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    return out, sum(p.numel() for p in model.parameters())
+
+
+def prompts(batch: int, vocab: int, length: int = 16) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+class EngineBench:
+    def __init__(self, path: Path, max_batch: int, new: int, vocab: int):
+        from inflight.engine.core import InferenceEngine
+
+        self.eng = InferenceEngine(str(path), max_batch=max_batch, max_model_len=16 + new + 1)
+        self.eng.start()
+        self.new, self.vocab = new, vocab
+        self.run(2)  # warm-up
+
+    def run(self, b: int) -> float:
+        from inflight.engine.core import SamplingParams
+
+        sp = SamplingParams(max_tokens=self.new, ignore_eos=True)
+
+        async def one(rid: str, p: list[int]) -> int:
+            return sum([e.token_id >= 0 async for e in self.eng.generate(rid, p, sp)])
+
+        async def go() -> float:
+            t0 = time.perf_counter()
+            n = sum(await asyncio.gather(*[one(f"b{b}-{i}", p) for i, p in enumerate(prompts(b, self.vocab))]))
+            return n / (time.perf_counter() - t0)
+
+        return asyncio.run(go())
+
+
+class HFBench:
+    def __init__(self, path: Path, new: int, vocab: int):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.new, self.vocab = new, vocab
+        self.model.generate(torch.tensor(prompts(2, vocab)), do_sample=True, max_new_tokens=4, min_new_tokens=4,
+                            pad_token_id=0)
+
+    def generate(self, b: int) -> float:
+        ids = torch.tensor(prompts(b, self.vocab))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            res = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      max_new_tokens=self.new, min_new_tokens=self.new, pad_token_id=0)
+        return (res.shape[1] - ids.shape[1]) * b / (time.perf_counter() - t0)
+
+    def continuous(self, b: int) -> float:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        new = self.new
+        gc = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, eos_token_id=-1, pad_token_id=0)
+        cbc = ContinuousBatchingConfig(page_size=32, num_blocks=max(16, b * (16 + new) // 32 + 8),
+                                       max_batch_tokens=max(256, b * 16))
+        t0 = time.perf_counter()
+        res = self.model.generate_batch(prompts(b, self.vocab), generation_config=gc, continuous_batching_config=cbc)
+        n = sum(len(r.generated_tokens) for r in res.values())
+        return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--sizes", default="tiny,small")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-cb", action="store_true", help="skip ContinuousBatchingManager (slow)")
+    ap.add_argument("--cb-batches", default="32", help="batches for ContinuousBatchingManager")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    cb_batches = [int(b) for b in args.cb_batches.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            path, n_params = build(Path(tmp) / size, size)
+            vocab = SIZES[size][-1]
+            eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab), HFBench(path, args.new_tokens, vocab)
+            for b in batches:  # the three back to back, so they see the same machine load
+                e, h = eng.run(b), hf.generate(b)
+                c = hf.continuous(b) if not args.no_cb and b in cb_batches else None
+                rows.append((f"{size} ({n_params / 1e6:.1f}M)", b, e, h, c))
+                print(rows[-1], flush=True)
+            eng.eng.stop()
+    print(f"\ndecode tokens/s, {args.new_tokens} new tokens, fp32, {args.threads} threads")
+    print(f"| model | batch | engine | HF generate | engine/HF | HF CB manager | engine/CB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, b, e, h, c in rows:
+        cbs = f"{c:.0f} | {e / c:.1f}x" if c else "- | -"
+        print(f"| {name} | {b} | {e:.0f} | {h:.0f} | {e / h:.2f}x | {cbs} |")
+
+
+if __name__ == "__main__":
+    main()

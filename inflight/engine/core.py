@@ -1,0 +1,422 @@
+"""The built-in inference engine: continuous batching over an engine-managed KV cache, on its own thread.
+
+One engine step = one forward over a flat batch of tokens: every decoding sequence contributes its last token,
+then waiting prompts (and sequences being re-prefilled after an `interrupt` weight update) contribute chunks
+until `max_tokens_per_step` is used. New requests join at the next step; finished sequences leave at once.
+llama / qwen2 models run through our own forward (llama_runner.py); any other causal LM through HF (hf_runner.py).
+
+Logprobs: see sampling.py. In short, the log-probability under the distribution the token was sampled from
+(after temperature and top-k/top-p renormalisation); for greedy (temperature 0), the temperature-1 logprob.
+A stop token (stop_token_ids, or EOS unless ignore_eos) is emitted as the last token, with finish_reason "stop".
+An aborted choice (abort(), a cancelled consumer, stop()) ends with an event of token_id -1, finish_reason "abort".
+
+Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
+`load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
+carries the version of the weights of the forward that produced it. On the fast path the HF parameters are views
+of fused q/k/v and gate/up matrices: change weights only in place (load_weights), never by rebinding `.data`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import heapq
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, TypeVar
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from inflight.engine import llama_runner
+from inflight.engine.hf_runner import HFRunner
+from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
+from inflight.engine.step import StepPlan
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class TokenEvent:
+    index: int  # choice index 0..n-1
+    token_id: int  # -1 on a final event that carries no token (abort)
+    logprob: float
+    version: int
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last event of the choice
+
+
+class _Request:
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: set[int], loop, queue):
+        self.rid, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
+        self.loop, self.queue = loop, queue
+        self.seqs: list[_Seq] = []
+        self.unfinished = params.n
+
+
+class _Seq:
+    __slots__ = ("req", "index", "slot", "tokens", "num_cached", "n_gen", "gen", "active", "split_pending", "done")
+
+    def __init__(self, req: _Request, index: int, slot: int):
+        self.req, self.index, self.slot = req, index, slot
+        self.tokens = list(req.prompt)
+        self.num_cached = 0  # tokens whose KV is in the cache
+        self.n_gen = 0
+        seed = req.params.seed
+        self.gen = None if seed is None else torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
+        self.active = index == 0  # choices > 0 start when choice 0 has prefilled the shared prompt
+        self.split_pending = index == 0 and req.params.n > 1
+        self.done = False
+
+
+class InferenceEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
+                 max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0):
+        if threads > 0:
+            torch.set_num_threads(threads)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.model_name = os.path.basename(os.path.normpath(model_path))
+        cfg = self.model.config
+        self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
+        self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else cfg.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        why_not = llama_runner.supports(self.model)
+        if why_not is None:
+            self.runner = llama_runner.LlamaRunner(self.model, max_batch, self.max_model_len)
+        else:
+            log.info("generic HF forward (slower): %s", why_not)
+            self.runner = HFRunner(self.model, max_batch, self.max_model_len)
+        self.fast_path = why_not is None
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.version = 0
+        # state owned by the engine thread
+        self._free = list(range(max_batch))  # a min-heap: low slots first keeps decode slots contiguous
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Seq] = []
+        self._by_id: dict[str, _Request] = {}
+        self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+        self._out: dict[_Request, list[TokenEvent]] = {}
+        self._mail: dict = {}  # consumer loop -> {queue: events} not yet handed over
+        self._mail_lock = threading.Lock()
+        # cross-thread inboxes
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[_Request] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._pause_calls: collections.deque = collections.deque()
+        self._ids: set[str] = set()  # request ids not yet finished (guarded by _cv)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._in_pause = False
+        self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0)
+
+    # ---------------------------------------------------------------- public API (any thread / asyncio loop)
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="inflight-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            with self._cv:
+                self._stopping = True
+                self._cv.notify()
+            self._thread.join()
+            self._thread = None
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the problem; generate() runs it too (on its first iteration)."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        params.check(self.max_batch)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        self.validate_request(prompt_ids, params)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        req = _Request(request_id, list(prompt_ids), params, stop_ids, asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is stopped")
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._ids.add(request_id)
+            self._inbox.append(req)
+            self._cv.notify()
+        remaining = params.n
+        try:
+            while remaining:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    remaining = 0
+                    raise item
+                for ev in item:
+                    remaining -= ev.finish_reason is not None
+                    yield ev
+        finally:
+            if remaining:  # consumer cancelled or stopped early: free the slots
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+
+    async def run_paused(self, fn: Callable[[], T]) -> T:
+        if self._thread is None:
+            raise RuntimeError("engine is not started")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._pause_calls.append((fn, fut))
+            self._cv.notify()
+        return await asyncio.wrap_future(fut)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int, mode: str = "keep") -> None:
+        if not (self._in_pause and threading.current_thread() is self._thread):
+            raise RuntimeError("load_weights must be called inside run_paused")
+        if mode not in ("keep", "interrupt"):
+            raise ValueError(f"mode must be 'keep' or 'interrupt', not {mode!r}")
+        errors = []
+        for name, t in tensors.items():
+            p = self._params.get(name)
+            if p is None:
+                errors.append(f"unknown parameter {name!r}")
+            elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                errors.append(f"{name}: shape {tuple(getattr(t, 'shape', ()))} != {tuple(p.shape)}")
+        if errors:
+            raise ValueError("; ".join(errors[:10]))
+        with torch.no_grad():
+            for name, t in tensors.items():
+                self._params[name].data.copy_(t)  # in place: converts dtype/device, keeps the runner's views
+        self.runner.after_weight_update()
+        self.version = int(version)
+        if mode == "interrupt":
+            for s in self._running:
+                s.num_cached = 0  # re-prefill prompt + tokens so far before the next token
+
+    def stats(self) -> dict[str, float]:
+        running = len(self._running)
+        return dict(running=running, waiting=len(self._waiting) + len(self._inbox),
+                    batch_occupancy=running / self.max_batch, version=self.version, **self._st)
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._inbox or self._aborts or self._pause_calls or self._running
+                           or self._waiting):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, collections.deque()
+                aborts, self._aborts = self._aborts, collections.deque()
+                pauses, self._pause_calls = self._pause_calls, collections.deque()
+            for fn, fut in pauses:
+                self._run_pause(fn, fut)
+            for req in inbox:
+                self._by_id[req.rid] = req
+                self._waiting.append(req)
+            for rid in aborts:
+                self._abort(rid)
+            try:
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as e:  # never die silently: fail every request in flight
+                log.exception("engine step failed")
+                for req in list(self._by_id.values()):
+                    self._finish_request(req)
+                    req.loop.call_soon_threadsafe(req.queue.put_nowait, e)
+                self._running, self._waiting, self._out = [], collections.deque(), {}
+                self._free = list(range(self.max_batch))
+            self._flush()
+        with self._cv:  # stopping: answer everything still queued
+            inbox, self._inbox = self._inbox, collections.deque()
+            pauses, self._pause_calls = self._pause_calls, collections.deque()
+        for fn, fut in pauses:
+            fut.set_exception(RuntimeError("engine stopped"))
+        for req in inbox:
+            self._by_id[req.rid] = req
+            self._waiting.append(req)
+        for rid in list(self._by_id):
+            self._abort(rid)
+        self._flush()
+
+    def _run_pause(self, fn, fut) -> None:
+        t0 = time.perf_counter()
+        self._in_pause = True
+        try:
+            fut.set_result(fn())
+        except BaseException as e:
+            fut.set_exception(e)
+        finally:
+            self._in_pause = False
+            self._st["paused_seconds_total"] += time.perf_counter() - t0
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._free) >= self._waiting[0].params.n:
+            req = self._waiting.popleft()
+            req.seqs = [_Seq(req, i, heapq.heappop(self._free)) for i in range(req.params.n)]
+            self._running.extend(req.seqs)
+
+    def _emit(self, req: _Request, ev: TokenEvent) -> None:
+        self._out.setdefault(req, []).append(ev)
+
+    def _flush(self) -> None:
+        """Hand this step's events to the consumers' loops. While a loop has not yet run the previous hand-over,
+        new events join it: a busy consumer then wakes once per several tokens instead of once per token."""
+        out, self._out = self._out, {}
+        wake = []
+        with self._mail_lock:
+            for req, evs in out.items():
+                box = self._mail.get(req.loop)
+                if box is None:
+                    box = self._mail[req.loop] = {}
+                    wake.append(req.loop)
+                box.setdefault(req.queue, []).extend(evs)
+        for loop in wake:
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:  # the consumer's loop is closed
+                with self._mail_lock:
+                    self._mail.pop(loop, None)
+
+    def _deliver(self, loop) -> None:  # runs on the consumer's loop
+        with self._mail_lock:
+            box = self._mail.pop(loop, {})
+        for queue, evs in box.items():
+            queue.put_nowait(evs)
+
+    def _finish_request(self, req: _Request) -> None:
+        self._by_id.pop(req.rid, None)
+        with self._cv:
+            self._ids.discard(req.rid)
+
+    def _release(self, s: _Seq, reason: str, event: TokenEvent | None = None) -> None:
+        s.done = True
+        heapq.heappush(self._free, s.slot)
+        self.runner.reset_slot(s.slot)
+        self._emit(s.req, event or TokenEvent(s.index, -1, 0.0, self.version, None, reason))
+        s.req.unfinished -= 1
+        if s.req.unfinished == 0:
+            self._finish_request(s.req)
+
+    def _abort(self, rid: str) -> None:
+        req = self._by_id.get(rid)
+        if req is None:
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+            for i in range(req.params.n):
+                self._emit(req, TokenEvent(i, -1, 0.0, self.version, None, "abort"))
+            self._finish_request(req)
+            return
+        for s in req.seqs:
+            if not s.done:
+                self._release(s, "abort")
+        self._running = [s for s in self._running if not s.done]
+
+    def _step(self) -> None:
+        budget = self.max_tokens_per_step
+        chunks, want, seqs = [], [], []
+        decodes = [s for s in self._running if s.active and s.num_cached > 0 and len(s.tokens) - s.num_cached == 1]
+        for s in sorted(decodes, key=lambda s: s.slot)[:budget]:  # decodes first, one token each, in slot order
+            chunks.append((s.slot, s.num_cached, s.tokens[-1:]))
+            want.append(True)
+            seqs.append(s)
+        budget -= len(seqs)
+        for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
+            pending = len(s.tokens) - s.num_cached
+            if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
+                c = min(pending, budget)
+                chunks.append((s.slot, s.num_cached, s.tokens[s.num_cached : s.num_cached + c]))
+                want.append(c == pending)
+                seqs.append(s)
+                budget -= c
+                self._st["prefill_tokens_total"] += c
+        if not chunks:
+            return
+        plan = StepPlan.build(chunks, want, self.device)
+        logits = self.runner.forward(plan)
+        version = self.version
+        self._st["steps"] += 1
+        rows, sampled = [], []
+        r = 0
+        for s, (_, _, ids), w in zip(seqs, chunks, want):
+            s.num_cached += len(ids)
+            if not w:
+                continue
+            if s.split_pending:  # choice 0 prefilled the shared prompt: copy its KV to the other choices
+                s.split_pending = False
+                for c in s.req.seqs[1:]:
+                    if not c.done:
+                        self.runner.copy_slot(s.slot, c.slot, s.num_cached)
+                        c.num_cached, c.active = s.num_cached, True
+                        rows.append(r)
+                        sampled.append(c)
+            rows.append(r)
+            sampled.append(s)
+            r += 1
+        if not sampled:
+            return
+        if len(rows) != r:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        self._sample_and_emit(logits, sampled, version)
+
+    def _sample_and_emit(self, logits: torch.Tensor, seqs: list[_Seq], version: int) -> None:
+        ps = [s.req.params for s in seqs]
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
+        u = torch.rand(len(seqs), generator=self._rng)
+        for i, s in enumerate(seqs):
+            if s.gen is not None:
+                u[i] = torch.rand(1, generator=s.gen)[0]
+        filtered = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps)
+        num_top = max(p.top_logprobs for p in ps)
+        tokens, logprobs, top = sample(logits, temp.to(dev), top_p.to(dev), top_k.to(dev), u.to(dev), num_top,
+                                       filtered)
+        tok_l, lp_l = tokens.tolist(), logprobs.tolist()
+        top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
+        finished = False
+        for i, (s, tok, lp, p) in enumerate(zip(seqs, tok_l, lp_l, ps)):
+            s.tokens.append(tok)
+            s.n_gen += 1
+            tl = None
+            if p.top_logprobs:
+                tl = [(t, v) for t, v in zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs]) if v > -1e30]
+            reason = None
+            if tok in s.req.stop_ids:
+                reason = "stop"
+            elif s.n_gen >= p.max_tokens or len(s.tokens) >= self.max_model_len:
+                reason = "length"
+            ev = TokenEvent(s.index, tok, lp, version, tl, reason)
+            if reason is None:
+                self._emit(s.req, ev)
+            else:
+                self._release(s, reason, ev)
+                finished = True
+        self._st["generated_tokens_total"] += len(seqs)
+        if finished:
+            self._running = [s for s in self._running if not s.done]

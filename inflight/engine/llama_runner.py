@@ -1,0 +1,158 @@
+"""Fast forward for the llama / qwen2 family over an engine-managed slot KV cache.
+
+It reads the HF module's own parameters. q/k/v and gate/up are fused into one matrix each for speed, and the HF
+parameters are then re-pointed to views of the fused storage, so they remain the SAME memory: an in-place copy
+into an HF parameter (what `load_weights` does) updates this forward too, and nothing is duplicated.
+
+KV cache: k and v of shape [layers, max_batch, kv_heads, max_model_len, head_dim]; a sequence owns one slot.
+Decoding sequences attend in one batched matmul (keys gathered for their slots, masked past each length);
+prefill chunks attend one sequence at a time with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from inflight.engine.step import StepPlan
+
+SUPPORTED_TYPES = ("llama", "qwen2")
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin do not depend on the sequence length
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """None if the fast path can run this model, else the reason it cannot."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_TYPES}"
+    rope = (getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        return f"rope_type {rope!r} depends on the sequence length"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "mlp bias"
+    return None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `linears` along the output dim; re-point each to its view."""
+    w = torch.cat([l.weight.data for l in linears], 0).contiguous()
+    has_bias = [l.bias is not None for l in linears]
+    b = None
+    if any(has_bias):
+        b = torch.cat([l.bias.data if l.bias is not None else w.new_zeros(l.out_features) for l in linears])
+    row = 0
+    for l in linears:
+        n = l.out_features
+        l.weight.data = w[row : row + n]
+        if l.bias is not None:
+            l.bias.data = b[row : row + n]
+        row += n
+    return w, b
+
+
+class LlamaRunner:
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int):
+        cfg = model.config
+        self.model = model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.inner = model.model
+        self.layers = []
+        for layer in self.inner.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            w_qkv, b_qkv = _fuse([at.q_proj, at.k_proj, at.v_proj])
+            w_gu, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight, w_qkv=w_qkv, b_qkv=b_qkv, wo=at.o_proj.weight, bo=at.o_proj.bias,
+                ln2=layer.post_attention_layernorm.weight, w_gu=w_gu, wd=mlp.down_proj.weight,
+                inter=mlp.gate_proj.out_features,
+            ))
+        # rope table for every position, from the HF module itself (so rope scaling matches exactly)
+        pos = torch.arange(max_model_len, device=self.device)[None]
+        cos, sin = self.inner.rotary_emb(torch.zeros(1, device=self.device, dtype=self.dtype), pos)
+        self.cos, self.sin = cos[0], sin[0]  # [max_model_len, head_dim]
+        shape = (len(self.layers), max_batch, self.n_kv, max_model_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+
+    def reset_slot(self, slot: int) -> None:
+        pass  # positions are always rewritten before they are read
+
+    def after_weight_update(self) -> None:
+        pass  # the fused tensors are the HF parameters' storage
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [len(plan.out_rows), vocab] in float32."""
+        n_tok, nd = plan.tokens.shape[0], plan.num_decode
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        rep = H // KV
+        x = self.inner.embed_tokens.weight[plan.tokens]
+        cos = self.cos[plan.positions].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[plan.positions].unsqueeze(1)
+        if nd:  # one additive mask for all layers: -inf past each decoding sequence's length
+            T = plan.max_decode_len
+            d_slots = plan.token_slots[:nd]
+            ar = torch.arange(T, device=self.device)
+            d_mask = torch.zeros(nd, 1, 1, T, dtype=torch.float32, device=self.device)
+            d_mask.masked_fill_((ar[None] >= plan.decode_lens[:, None])[:, None, None], float("-inf"))
+        p_masks = []
+        for slot, start, c, off in plan.prefills:
+            qpos = torch.arange(start, start + c, device=self.device)[:, None]
+            p_masks.append(torch.arange(start + c, device=self.device)[None] <= qpos)
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1"])
+            qkv = F.linear(h, L["w_qkv"], L["b_qkv"])
+            qk = self._rope(qkv[:, : (H + KV) * D].view(n_tok, H + KV, D), cos, sin)  # q and k in one go
+            q, k = qk[:, :H], qk[:, H:]
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[plan.token_slots, :, plan.positions] = k
+            vc[plan.token_slots, :, plan.positions] = qkv[:, (H + KV) * D :].view(n_tok, KV, D)
+            out = torch.empty(n_tok, H, D, dtype=x.dtype, device=self.device)
+            if nd:
+                if plan.decode_first_slot is not None:  # a view, no copy
+                    kd = kc[plan.decode_first_slot : plan.decode_first_slot + nd, :, :T]
+                    vd = vc[plan.decode_first_slot : plan.decode_first_slot + nd, :, :T]
+                else:
+                    kd = kc[:, :, :T].index_select(0, d_slots)  # [nd, KV, T, D]; much faster than kc[d_slots]
+                    vd = vc[:, :, :T].index_select(0, d_slots)
+                qd = q[:nd].view(nd, KV, rep, D)
+                s = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + d_mask  # [nd, KV, rep, T]
+                a = torch.softmax(s, dim=-1).to(x.dtype)
+                out[:nd] = torch.matmul(a, vd).view(nd, H, D)
+            for (slot, start, c, off), m in zip(plan.prefills, p_masks):
+                qp = q[off : off + c].transpose(0, 1).unsqueeze(0)  # [1, H, c, D]
+                kp = kc[slot, :, : start + c].unsqueeze(0)
+                vp = vc[slot, :, : start + c].unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=m, enable_gqa=rep > 1)
+                out[off : off + c] = o[0].transpose(0, 1)
+            x = x + F.linear(out.view(n_tok, H * D), L["wo"], L["bo"])
+            h = self._norm(x, L["ln2"])
+            gu = F.linear(h, L["w_gu"])
+            g, u = gu.split(L["inter"], dim=-1)
+            x = x + F.linear(F.silu(g) * u, L["wd"])
+        x = self._norm(x[plan.out_rows], self.inner.norm.weight)
+        return self.model.lm_head(x).float()

@@ -1,0 +1,87 @@
+"""Vectorised sampling of one token per row, with the log-probability of what was sampled.
+
+Logprob convention (the `mu` logprobs an RL trainer uses as behaviour policy):
+- temperature > 0: log-probability under the distribution actually sampled from: logits / temperature,
+  restricted to the top-k and top-p (nucleus) set, renormalised over that set.
+- temperature == 0 (greedy): the token is the argmax and its logprob is the plain temperature-1 log-softmax
+  (top-k / top-p ignored), since the "sampled" distribution would be a point mass (logprob 0).
+`top_logprobs` are taken from the same distribution as the logprob; tokens outside the top-k/top-p set are left
+out (they have probability 0).
+
+Randomness: each row draws one uniform number u and takes the inverse CDF. Rows with a seed draw u from their
+own torch.Generator (so a seeded request gives the same tokens whatever its batch neighbours); the others share
+the engine's generator in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+    def check(self, max_n: int) -> None:
+        """Raises ValueError naming the first bad field."""
+        if not 1 <= self.n <= max_n:
+            raise ValueError(f"n must be in [1, {max_n}], got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B] float32, 0 = greedy
+    top_p: torch.Tensor,  # [B] float32 in (0, 1]
+    top_k: torch.Tensor,  # [B] int64, 0 = off
+    u: torch.Tensor,  # [B] float32 uniform in [0, 1)
+    num_top: int = 0,  # how many top logprobs to return per row (max over rows)
+    filtered: bool = True,  # False when no row uses top-p / top-k (skips a full-vocab sort)
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Returns (tokens [B], logprobs [B], (top values [B, k], top ids [B, k]) or None)."""
+    B, V = logits.shape
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits / t[:, None], dim=-1)
+    if filtered:
+        p = torch.where(greedy, torch.ones_like(top_p), top_p)
+        k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
+        s_logp, s_idx = logp.sort(dim=-1, descending=True)
+        s_prob = s_logp.exp()
+        before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token; the first token is always kept
+        rank = torch.arange(V, device=logits.device)[None]
+        keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
+        keep[:, 0] = True
+        s_logp = s_logp.masked_fill(~keep, float("-inf"))
+        s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
+        logp = torch.empty_like(logp).scatter_(1, s_idx, s_logp)
+    cdf = logp.exp().cumsum(-1)
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    logprobs = logp.gather(1, tokens[:, None])[:, 0]
+    top = None
+    if num_top > 0:
+        vals, ids = logp.topk(min(num_top, V), dim=-1)
+        top = (vals, ids)
+    return tokens, logprobs, top

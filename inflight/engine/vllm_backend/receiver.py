@@ -1,0 +1,154 @@
+"""The weight-update contract (docs/inference-contract.md §4) on top of vLLM: validation here, in the API process,
+against the checkpoint's names and shapes and the served dtype; the transfer itself in the workers
+(worker_ext.py), driven with `collective_rpc`.
+
+An update: validate (400/409 before anything is received) → [file: worker reads it, generation continues] →
+`pause_generation(mode="keep")` (the engine stops between two steps; requests keep their KV cache) → workers
+receive the broadcasts into fresh buffers and load them all at once → interrupt mode: `reset_prefix_cache(
+reset_running_requests=True)` preempts every running request, so its KV cache is recomputed with the new weights
+(prompt + tokens so far) before its next token → the engine's weight version is set (every later step's tokens
+carry it) → `resume_generation()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import struct
+import time
+from typing import Any
+
+import torch
+
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest
+from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params
+
+log = logging.getLogger("inflight.vllm.weights")
+ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def safetensors_header(path: str) -> dict[str, tuple[list[int], str]]:
+    """{name: (shape, dtype name)} from a safetensors header, without reading any tensor data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("file too short")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise ValueError("header too large")
+        header = json.loads(f.read(n))
+    return {k: (list(v["shape"]), ST_DTYPES.get(v["dtype"], v["dtype"])) for k, v in header.items()
+            if k != "__metadata__"}
+
+
+def checkpoint_specs(model_dir: str, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's parameters as HF names them (the checkpoint's tensors), in the served dtype."""
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for name, (shape, _) in safetensors_header(f).items():
+            specs[name] = (tuple(shape), DTYPES[dtype])
+    if not specs:
+        raise RuntimeError(f"no *.safetensors in {model_dir}")
+    return specs
+
+
+class VLLMWeightReceiver:
+    """Same interface as inflight.engine.weight_receiver.WeightReceiver (init_process_group, validate, update)."""
+
+    def __init__(self, engine: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: str):
+        self.engine, self.llm, self.specs, self.device = engine, engine.llm, specs, device
+        self._lock = asyncio.Lock()
+        self.has_group = False
+        self.updates = 0
+        self.last_update: dict[str, Any] = {}
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self.llm.collective_rpc(method, args=args)
+
+    # ---- process group ----------------------------------------------------------------------------------------
+    async def init_process_group(self, req: InitProcessGroupRequest) -> dict[str, Any]:
+        if req.rank_offset >= req.world_size:
+            raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
+        if req.backend == "nccl" and self.device == "cpu":
+            raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server runs on CPU (use 'gloo')")
+        if self._lock.locked():
+            raise WeightUpdateError("a weight update or group join is in progress", status=409)
+        async with self._lock:
+            ranks = await self._rpc("inflight_join_group", req.master_address, req.master_port, req.rank_offset,
+                                    req.world_size, req.backend, req.timeout_s)
+            if max(ranks) >= req.world_size:
+                raise WeightUpdateError(f"this server has {len(ranks)} ranks; rank_offset {req.rank_offset} + "
+                                        f"{len(ranks)} exceeds world_size {req.world_size}")
+            deadline = time.monotonic() + req.timeout_s
+            while True:  # the workers join in a thread: generation goes on meanwhile
+                states = await self._rpc("inflight_group_status")
+                errors = [s for s in states if s.startswith("error")]
+                if errors:
+                    raise RuntimeError("; ".join(errors))
+                if all(s == "ready" for s in states):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rendezvous not complete after {req.timeout_s}s")
+                await asyncio.sleep(0.05)
+            self.has_group = True
+        log.info("weight group joined: ranks %s of %d via %s:%d (%s)", ranks, req.world_size, req.master_address,
+                 req.master_port, req.backend)
+        return {"rank": req.rank_offset, "world_size": req.world_size, "backend": req.backend}
+
+    # ---- updates ----------------------------------------------------------------------------------------------
+    def validate(self, req: WeightUpdateRequest) -> None:
+        if req.params is not None:
+            if not self.has_group:
+                raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
+            check_params(req.params, self.specs)
+            return
+        path = req.path or ""
+        if not os.path.isabs(path):
+            raise WeightUpdateError(f"path must be absolute: {path!r}")
+        if not os.path.isfile(path):
+            raise WeightUpdateError(f"no such file: {path!r}")
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError) as e:
+            raise WeightUpdateError(f"not a readable safetensors file: {path!r} ({e})") from e
+        if not header:
+            raise WeightUpdateError("weight update rejected: the file holds no tensors")
+        bad = [n for n, (_, dt) in header.items() if dt not in DTYPES]
+        if bad:
+            raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad[:5]}")
+        check_params([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], self.specs)
+
+    async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
+        self.validate(req)
+        if self._lock.locked():
+            raise WeightUpdateError("another weight update is in progress", status=409)
+        async with self._lock:
+            t0 = time.perf_counter()
+            if req.path is not None:
+                await self._rpc("inflight_stage_file", req.path)  # read before pausing
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            p0 = time.perf_counter()
+            try:
+                if req.params is not None:
+                    await self._rpc("inflight_receive", [[p.name, list(p.shape), p.dtype] for p in req.params])
+                await self._rpc("inflight_apply")
+                if req.mode == "interrupt":
+                    await self.llm.reset_prefix_cache(reset_running_requests=True)
+                await self.llm.update_weight_version(str(req.version))
+                self.engine.version = req.version
+            except Exception:
+                await self._rpc("inflight_drop_staged")
+                raise
+            finally:
+                await self.llm.resume_generation()
+                pause_s = time.perf_counter() - p0
+                self.engine.paused_seconds += pause_s
+        self.updates += 1
+        self.last_update = {"version": req.version, "pause_s": pause_s, "seconds": time.perf_counter() - t0}
+        log.info("weight update v%d (%s, mode=%s): paused %.3fs, total %.3fs", req.version,
+                 "file" if req.path else f"broadcast of {len(req.params or [])} tensors", req.mode, pause_s,
+                 time.perf_counter() - t0)
+        return {"version": req.version, "pause_s": pause_s}

@@ -1,0 +1,158 @@
+"""FSDP2 training backend: `torch.distributed.fsdp.fully_shard` across processes (one per device, or several CPU
+processes with gloo). Same interface as SingleDeviceTrainer.
+
+Launch one process per rank with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (torchrun, or
+torch.multiprocessing), or initialise the default process group yourself before `init()`.
+
+Collective calls (every rank must make them, in the same order): init, forward_logprobs, backward,
+optimizer_step, named_weights (iterate it to the end on every rank; rank 0 broadcasts the tensors, the others
+discard them). Each rank packs its own samples; StepAccumulator keeps the number of forward/backward passes equal
+across ranks. Losses normalise by counts of the whole step over all ranks, so gradients are SUMMED across ranks
+(divide factor 1), which makes the step identical to one process doing all the micro-batches.
+
+gloo has no PREMUL_SUM / AVG reduce-scatter: with divide factor 1 we force plain SUM collectives, which gloo runs.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from inflight.contracts import LossFn, TrainBatch
+from inflight.trainer.config import TrainerConfig
+from inflight.trainer.logprobs import packed_logits, token_logprobs
+from inflight.trainer.optim import build_optimizer
+from inflight.trainer.single import batch_to, check_config, load_model, run_loss
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Transformer blocks to shard one by one: the classes HF names in `_no_split_modules` (e.g. LlamaDecoderLayer)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:  # unknown architecture: the repeated layers of the first ModuleList
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        blocks = list(lists[0]) if lists else []
+    return blocks
+
+
+class FSDP2Trainer:
+    """TrainEngine over all ranks of the default process group. Attributes: model, tokenizer, version, rank,
+    world_size."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig):
+        check_config(cfg)
+        self.model_path = str(model_path)
+        self.cfg = cfg
+        self.version = 0
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.rank, self.world_size = 0, 1
+
+    def init(self) -> None:
+        from transformers import AutoTokenizer
+
+        if self.cfg.threads > 0:
+            torch.set_num_threads(self.cfg.threads)
+        cuda = self.cfg.device.startswith("cuda")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if cuda:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        model = load_model(self.model_path, self.cfg, "cpu")
+        mp = None
+        if self.cfg.precision == "bf16-mixed":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mp_policy": mp} if mp is not None else {}
+        if cuda:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            kwargs["mesh"] = init_device_mesh("cuda", (self.world_size,))
+        for block in _blocks(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # sum: losses already normalise by the whole step
+                m.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+        self.model = model
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
+
+    def _require_init(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("call init() first")
+        return self.model
+
+    def _autocast(self):
+        import contextlib
+
+        # FSDP's MixedPrecisionPolicy casts the parameters; autocast keeps the remaining ops consistent.
+        if self.cfg.precision == "bf16-mixed":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        model = self._require_init()
+        was_training = model.training
+        model.eval()
+        try:
+            with self._autocast():
+                logits = packed_logits(model, batch, self.device)
+            lp, _ = token_logprobs(logits, batch)
+        finally:
+            model.train(was_training)
+        return lp.cpu()
+
+    def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        model = self._require_init()
+        model.train()
+        with self._autocast():
+            logits = packed_logits(model, batch, self.device)
+        lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
+        loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
+        loss.backward()
+        return stats
+
+    def optimizer_step(self) -> dict[str, float]:
+        model = self._require_init()
+        lr = self.scheduler.get_last_lr()[0]
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(norm), "lr": float(lr)}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective. (HF name, full tensor) in state_dict order, gathered one parameter at a time (never the whole
+        model in one buffer). Every rank must iterate to the end; ranks > 0 may discard the tensors."""
+        for name, tensor in self._require_init().state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach()
+
+    def save(self, out_dir: str) -> None:
+        """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time)."""
+        state = {}
+        for name, tensor in self.named_weights():
+            if self.rank == 0:
+                state[name] = tensor.cpu()
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            model.load_state_dict(state)
+            model.save_pretrained(out_dir)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(out_dir)
+        dist.barrier()

@@ -1,0 +1,68 @@
+"""Forward pass of a packed micro-batch and the per-token logprobs / entropy derived from it (shared by backends).
+
+Packed attention: one row of T tokens holding several samples; attention never crosses samples.
+- "inflight_packed" (CPU default, attention.py): causal SDPA per sample slice, boundaries from cu_seq_lens_q;
+- "flash_attention_2" (GPU): no mask, varlen kernel, boundaries from the position_ids (restarting at 0 per sample);
+- "sdpa" / "eager": an explicit block-diagonal causal 4D mask (transformers passes a 4D mask through as-is);
+  correct for any architecture, but costs T^2 attention per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.contracts import TrainBatch
+from inflight.trainer.attention import NAME as PACKED
+
+
+def block_causal_mask(sample_index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[1, 1, T, T] mask: query i sees key j iff same sample and j <= i. Bool (True = attend), or additive float
+    (0 / -inf-like) when `dtype` is given (eager attention adds the mask to the scores)."""
+    t = sample_index.shape[0]
+    same = sample_index[:, None] == sample_index[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=sample_index.device).tril()
+    allowed = (same & causal)[None, None]
+    if dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=sample_index.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str) -> torch.Tensor:
+    """Logits [T, V] of one packed micro-batch."""
+    ids = batch.input_ids.to(device)[None]
+    pos = batch.position_ids.to(device)[None]
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == PACKED:
+        lens = torch.tensor([0] + list(batch.seq_lens), dtype=torch.int32).cumsum(0).to(device, torch.int32)
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, cu_seq_lens_q=lens,
+                    cu_seq_lens_k=lens, max_length_q=max(batch.seq_lens), max_length_k=max(batch.seq_lens))
+        return out.logits[0]
+    if "flash" in impl:
+        mask = None  # varlen: sequence boundaries from position_ids
+    elif impl == "eager":
+        mask = block_causal_mask(batch.sample_index.to(device), dtype=model.dtype)
+    else:
+        mask = block_causal_mask(batch.sample_index.to(device))
+    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
+    return out.logits[0]
+
+
+def token_logprobs(
+    logits: torch.Tensor, batch: TrainBatch, need_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logprob[t] = log softmax(logits[t-1] / temperature)[input_ids[t]], 0 on each sample's first token
+    (nothing predicts it); entropy[t] the entropy of that same distribution. Computed in float32."""
+    ids = batch.input_ids.to(logits.device)
+    first = batch.position_ids.to(logits.device) == 0
+    z = logits[:-1].float() / batch.temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, ids[1:, None])[:, 0] - lse
+    lp = torch.cat([lp.new_zeros(1), lp])
+    lp = torch.where(first, torch.zeros_like(lp), lp)
+    ent = None
+    if need_entropy:
+        p = torch.softmax(z, dim=-1)
+        e = lse - (p * z).sum(-1)
+        ent = torch.where(first, torch.zeros_like(lp), torch.cat([e.new_zeros(1), e]))
+    return lp, ent

@@ -1,0 +1,34 @@
+"""AdamW with linear warm-up then constant or cosine learning rate (shared by the training backends)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from inflight.trainer.config import TrainerConfig
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warm-up over warmup_steps, then 1
+    (constant) or a cosine decay to 0 at total_steps."""
+    if cfg.schedule not in ("constant", "cosine"):
+        raise ValueError(f"trainer.schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: TrainerConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    betas = tuple(float(b) for b in cfg.betas)
+    opt = torch.optim.AdamW(
+        [p for p in params if p.requires_grad], lr=cfg.lr, betas=betas, weight_decay=cfg.weight_decay  # type: ignore[arg-type]
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    return opt, sched

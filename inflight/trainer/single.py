@@ -1,0 +1,174 @@
+"""Single-process training backend (CPU or one GPU), implementing contracts.TrainEngine.
+
+    trainer = SingleDeviceTrainer("runs/models/tiny", TrainerConfig(lr=1e-4))
+    trainer.init()
+    for mb in pack_samples(samples, advantages, cfg.micro_batch_tokens, len(samples), n_tokens):
+        trainer.backward(mb, loss_fn)           # gradients accumulate over micro-batches
+    trainer.optimizer_step()                    # clip, step, zero, version += 1
+    for name, tensor in trainer.named_weights(): ...   # broadcast to the inference servers
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from inflight.contracts import LossFn, TrainBatch, TrainEngine
+from inflight.trainer.attention import NAME as PACKED
+from inflight.trainer.config import TrainerConfig
+from inflight.trainer.logprobs import packed_logits, token_logprobs
+from inflight.trainer.optim import build_optimizer
+
+
+def attn_implementation(cfg: TrainerConfig) -> str:
+    """cfg.attention, or for "auto": varlen flash attention on GPU when installed and the compute is half
+    precision; otherwise per-sample SDPA over the packed row ("inflight_packed", see attention.py)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    if cfg.device.startswith("cuda") and cfg.precision == "bf16-mixed":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return PACKED
+
+
+ATTENTIONS = ("auto", PACKED, "sdpa", "eager", "flash_attention_2")
+
+
+def check_config(cfg: TrainerConfig) -> None:
+    if cfg.precision not in ("float32", "bf16-mixed"):
+        raise ValueError(f"trainer.precision must be 'float32' or 'bf16-mixed', got {cfg.precision!r}")
+    if cfg.attention not in ATTENTIONS:
+        raise ValueError(f"trainer.attention must be one of {ATTENTIONS}, got {cfg.attention!r}")
+    if cfg.micro_batch_tokens <= 0:
+        raise ValueError(f"trainer.micro_batch_tokens must be positive, got {cfg.micro_batch_tokens}")
+
+
+def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Any HF causal LM by path, float32 master weights (bf16-mixed autocasts the compute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=attn_implementation(cfg)
+    ).to(device)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def autocast(cfg: TrainerConfig, device: torch.device | str) -> contextlib.AbstractContextManager:
+    if cfg.precision == "bf16-mixed":
+        return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def run_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch, loss_fn: LossFn) -> tuple[
+    torch.Tensor, dict[str, float]
+]:
+    """loss_fn on device tensors; the `0 * sum` term keeps every parameter in the graph (an all-masked batch then
+    still yields zero gradients, which FSDP's collective backward relies on)."""
+    loss, stats = loss_fn(logprobs, batch, entropy)
+    loss = loss + 0.0 * logprobs.sum()
+    stats = dict(stats)
+    stats.setdefault("loss", float(loss.detach()))
+    stats["batch_tokens"] = float(batch.num_tokens)  # packed tokens, prompts included ("tokens" is the loss's)
+    return loss, stats
+
+
+def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
+    """A copy of the batch with its tensors on `device` (the loss function sees device tensors)."""
+    fields = {}
+    for name, value in vars(batch).items():
+        fields[name] = value.to(device) if isinstance(value, torch.Tensor) else value
+    return TrainBatch(**fields)
+
+
+class SingleDeviceTrainer:
+    """TrainEngine on one device. Attributes: model, tokenizer, version (optimizer steps taken)."""
+
+    world_size = 1
+    rank = 0
+
+    def __init__(self, model_path: str, cfg: TrainerConfig):
+        check_config(cfg)
+        self.model_path = str(model_path)
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.version = 0
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+
+    def init(self) -> None:
+        from transformers import AutoTokenizer
+
+        if self.cfg.threads > 0:
+            torch.set_num_threads(self.cfg.threads)
+        self.model = load_model(self.model_path, self.cfg, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
+
+    def _require_init(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("call init() first")
+        return self.model
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        model = self._require_init()
+        was_training = model.training
+        model.eval()
+        try:
+            with autocast(self.cfg, self.device):
+                logits = packed_logits(model, batch, self.device)
+            lp, _ = token_logprobs(logits, batch)
+        finally:
+            model.train(was_training)
+        return lp.cpu()
+
+    def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
+        model = self._require_init()
+        model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
+        with autocast(self.cfg, self.device):
+            logits = packed_logits(model, batch, self.device)
+        lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
+        loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
+        loss.backward()
+        return stats
+
+    def optimizer_step(self) -> dict[str, float]:
+        model = self._require_init()
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) in state_dict order, detached, in the model's dtype (tied weights appear under
+        every name the state_dict lists)."""
+        for name, tensor in self._require_init().state_dict().items():
+            yield name, tensor.detach()
+
+    def save(self, out_dir: str) -> None:
+        self._require_init().save_pretrained(out_dir)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(out_dir)
+
+
+def make_trainer(model_path: str, cfg: TrainerConfig) -> TrainEngine:
+    """The backend named by cfg.backend (not yet initialised: call init())."""
+    if cfg.backend == "single":
+        return SingleDeviceTrainer(model_path, cfg)
+    if cfg.backend == "fsdp2":
+        from inflight.trainer.fsdp import FSDP2Trainer
+
+        return FSDP2Trainer(model_path, cfg)
+    raise ValueError(f"trainer.backend must be 'single' or 'fsdp2', got {cfg.backend!r}")

@@ -1,0 +1,52 @@
+"""One rank of the FSDP2 test (run as a subprocess with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set).
+
+usage: python fsdp_worker.py MODEL_DIR OUT_FILE
+Trains 3 steps on this rank's share of the samples (see step_samples) and, on rank 0, saves the gathered weights
+and per-step stats with torch.save.
+"""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
+from inflight.trainer.config import TrainerConfig  # noqa: E402
+from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
+from inflight.trainer.packing import count_loss_tokens  # noqa: E402
+from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402
+
+CFG = dict(lr=1e-3, max_grad_norm=0.5, threads=1, warmup_steps=1, schedule="cosine", total_steps=3)
+BUDGET = 40
+
+
+def step_samples(step: int, vocab: int):
+    samples = random_samples(10, vocab, seed=100 + step)
+    adv = [((i * 7 + step) % 5) / 2.0 - 1.0 for i in range(10)]
+    return samples, adv
+
+
+def main(model_dir: str, out: str) -> None:
+    t = FSDP2Trainer(model_dir, TrainerConfig(backend="fsdp2", **CFG))
+    t.init()
+    vocab = t.model.config.vocab_size
+    stats = []
+    for step in range(3):
+        samples, adv = step_samples(step, vocab)
+        # uneven split on purpose: rank 0 gets 7 samples, rank 1 gets 3 (different micro-batch counts)
+        mine = slice(0, 7) if t.rank == 0 else slice(7, 10)
+        acc = StepAccumulator(t, ReinforceLoss(needs_entropy=True, entropy_coef=0.01), BUDGET, len(samples),
+                              count_loss_tokens(samples))
+        acc.add(samples[mine][:3], adv[mine][:3])
+        acc.add(samples[mine][3:], adv[mine][3:])
+        stats.append(acc.finish())
+    weights = {n: w.clone() for n, w in t.named_weights()}
+    if t.rank == 0:
+        torch.save({"weights": weights, "stats": stats, "version": t.version}, out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

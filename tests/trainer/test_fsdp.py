@@ -1,0 +1,73 @@
+"""FSDP2 on CPU with 2 gloo processes gives the same 3 optimizer steps as the single-process trainer."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.trainer.config import TrainerConfig
+from inflight.trainer.packing import pack_samples
+from inflight.trainer.single import SingleDeviceTrainer
+
+from .fsdp_worker import BUDGET, CFG, step_samples
+from .helpers import ReinforceLoss
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # ~40 s: two processes load the model and train
+def test_fsdp2_two_ranks_equal_single(tiny_model_dir, tmp_path):
+    out = tmp_path / "rank0.pt"
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("fsdp_worker.py")), str(tiny_model_dir), str(out)],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("FSDP2 ranks timed out")
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    got = torch.load(out, weights_only=True)
+    assert got["version"] == 3
+
+    torch.set_num_threads(1)
+    single = SingleDeviceTrainer(str(tiny_model_dir), TrainerConfig(**CFG))
+    single.init()
+    initial = {n: w.clone() for n, w in single.named_weights()}
+    vocab = single.model.config.vocab_size
+    loss_fn = ReinforceLoss(needs_entropy=True, entropy_coef=0.01)
+    for step in range(3):
+        samples, adv = step_samples(step, vocab)
+        from inflight.trainer.packing import count_loss_tokens
+
+        for mb in pack_samples(samples, adv, BUDGET, len(samples), count_loss_tokens(samples)):
+            single.backward(mb, loss_fn)
+        s = single.optimizer_step()
+        assert got["stats"][step]["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-4)
+        assert got["stats"][step]["lr"] == pytest.approx(s["lr"])
+    ref = dict(single.named_weights())
+    assert list(got["weights"]) == list(ref)
+    moved = 0
+    for n in ref:
+        torch.testing.assert_close(got["weights"][n], ref[n], atol=2e-5, rtol=1e-4)
+        moved += int(not torch.equal(ref[n], initial[n]))
+    assert moved >= len(ref) - 1
