@@ -1,0 +1,28 @@
+"""Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | math_jsonl | reasoning_gym)."""
+
+from __future__ import annotations
+
+from inflight.contracts import Task
+from inflight.tasks.config import TaskConfig
+
+TASKS = ("arith", "math_jsonl", "reasoning_gym")
+
+
+def get_task(cfg: TaskConfig) -> Task:
+    """Build the task named by cfg.name (imports only that task's dependencies)."""
+    if cfg.name == "arith":
+        from inflight.tasks.arith import ArithTask
+
+        return ArithTask(cfg)
+    if cfg.name == "math_jsonl":
+        from inflight.tasks.math_jsonl import MathJsonlTask
+
+        return MathJsonlTask(cfg)
+    if cfg.name == "reasoning_gym":
+        from inflight.tasks.reasoning_gym_task import ReasoningGymTask
+
+        return ReasoningGymTask(cfg)
+    raise ValueError(f"unknown task '{cfg.name}'; choose one of {list(TASKS)}")
+
+
+__all__ = ["TASKS", "TaskConfig", "get_task"]

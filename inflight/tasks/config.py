@@ -10,7 +10,7 @@ class TaskConfig:
     digits: int = 2  # operands have 1..digits digits
     terms: int = 2  # number of operands
     operators: list[str] = field(default_factory=lambda: ["+"])
-    scratchpad: bool = False  # step-by-step solutions (the generation-heavy variant)
+    scratchpad: bool = False  # step-by-step solutions (generation-heavy variant; terms then vary in 2..terms)
     # math_jsonl
     path: str = ""  # .jsonl or .parquet
     question_field: str = "question"

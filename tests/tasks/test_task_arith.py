@@ -1,0 +1,112 @@
+"""arith: seeded generation, held-out split, solutions and the verifier's labels."""
+
+import random
+from itertools import islice
+
+import pytest
+
+from inflight.contracts import Verdict
+from inflight.tasks import get_task
+from inflight.tasks.arith import evaluate, parse_expr
+from inflight.tasks.config import TaskConfig
+
+
+def _first(task, n=50, seed=0):
+    return [(s.id, s.messages, s.answer) for s in islice(task.train_samples(seed), n)]
+
+
+def test_deterministic_for_a_seed():
+    cfg = TaskConfig(digits=3, terms=3, operators=["+", "-", "*"], eval_size=50)
+    a, b = get_task(cfg), get_task(cfg)
+    assert _first(a) == _first(b)
+    assert [s.answer for s in a.eval_samples()] == [s.answer for s in b.eval_samples()]
+    assert _first(a, seed=0) != _first(a, seed=1)
+    other = get_task(TaskConfig(digits=3, terms=3, operators=["+", "-", "*"], eval_size=50, seed=1))
+    assert [s.meta["expr"] for s in other.eval_samples()] != [s.meta["expr"] for s in a.eval_samples()]
+
+
+def test_eval_split_is_disjoint_and_distinct():
+    task = get_task(TaskConfig(digits=1, terms=2, eval_size=60))  # 100 possible problems: collisions are certain
+    held = [s.meta["expr"] for s in task.eval_samples()]
+    assert len(held) == len(set(held)) == 60
+    train = {s.meta["expr"] for s in islice(task.train_samples(0), 2000)}
+    assert not train & set(held)
+    assert len(train) == 40  # every other problem still shows up
+
+
+def test_too_small_problem_space_is_a_clear_error():
+    with pytest.raises(ValueError, match="eval_size"):
+        get_task(TaskConfig(digits=1, terms=2, eval_size=101))
+    with pytest.raises(ValueError, match="operators"):
+        get_task(TaskConfig(operators=["/"]))
+
+
+def test_difficulty_and_answers():
+    task = get_task(TaskConfig(digits=3, terms=4, operators=["-", "*"], eval_size=10))
+    for s in islice(task.train_samples(0), 100):
+        nums, ops = parse_expr(s.meta["expr"])
+        assert len(nums) == 4 and set(ops) <= {"-", "*"} and all(0 <= n < 1000 for n in nums)
+        # plain-Python reference with the usual precedence
+        assert int(s.answer) == eval(s.meta["expr"])  # noqa: S307 - our own digits and operators only
+        assert "\\boxed{}" in s.messages[-1]["content"]
+    assert evaluate([2, 3, 4], ["+", "*"]) == 14 and evaluate([2, 3, 4], ["-", "-"]) == -5
+
+
+def test_solutions_are_short_and_verify():
+    task = get_task(TaskConfig(eval_size=10))
+    rng = random.Random(0)
+    for s in islice(task.train_samples(0), 200):
+        sol = task.solution(s)
+        assert sol == f"\\boxed{{{s.answer}}}"
+        assert task.verify(sol, s).label == Verdict.correct
+        wrong = task.wrong_solution(s, rng)
+        assert task.verify(wrong, s) .label == Verdict.wrong
+
+
+def test_scratchpad_lengths_vary_and_are_right():
+    task = get_task(TaskConfig(digits=4, terms=6, operators=["+", "-", "*"], scratchpad=True, eval_size=10))
+    lengths = []
+    for s in islice(task.train_samples(0), 200):
+        sol = task.solution(s)
+        lengths.append(len(sol))
+        assert sol.endswith(f"\\boxed{{{s.answer}}}")
+        assert task.verify(sol, s).reward == 1.0
+        assert task.verify(task.wrong_solution(s, random.Random(1)), s).reward == 0.0
+    assert min(lengths) < 80 and max(lengths) > 400  # tens to hundreds of tokens (digits are single tokens)
+
+
+@pytest.mark.parametrize(
+    "completion, finish, label",
+    [
+        ("\\boxed{46}", "stop", Verdict.correct),
+        ("12+34 is \\boxed{ 46 }", "stop", Verdict.correct),
+        ("\\boxed{45} no wait \\boxed{46}", "stop", Verdict.correct),  # the last box counts
+        ("\\boxed{46} no wait \\boxed{45}", "stop", Verdict.wrong),
+        ("\\boxed{47}", "stop", Verdict.wrong),
+        ("\\boxed{46.0}", "stop", Verdict.wrong),  # exact integer compare
+        ("\\boxed{forty six}", "stop", Verdict.wrong),
+        ("46", "stop", Verdict.no_answer),
+        ("", "stop", Verdict.no_answer),
+        ("\\boxed{46", "stop", Verdict.no_answer),  # malformed: never closed
+        ("\\boxed{4", "length", Verdict.truncated),
+        ("\\boxed{46}", "length", Verdict.correct),  # cut off after answering still counts
+    ],
+)
+def test_verify_labels(completion, finish, label):
+    task = get_task(TaskConfig(eval_size=5))
+    sample = next(s for s in islice(task.train_samples(0), 10_000) if s.answer == "46")
+    v = task.verify(completion, sample, finish)
+    assert v.label == label
+    assert v.reward == (1.0 if label == Verdict.correct else 0.0)
+
+
+def test_negative_answers_compare_exactly():
+    task = get_task(TaskConfig(operators=["-"], eval_size=5))
+    s = next(s for s in task.train_samples(0) if int(s.answer) < 0)
+    assert task.verify(f"\\boxed{{{s.answer}}}", s).label == Verdict.correct
+    assert task.verify(f"\\boxed{{{-int(s.answer)}}}", s).label == Verdict.wrong
+
+
+def test_unknown_task_name():
+    with pytest.raises(ValueError, match="arith"):
+        get_task(TaskConfig(name="arithmetic"))
