@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -9,10 +9,21 @@ class PipelineConfig:
     max_steps: int = 100
     max_samples: int = 0  # 0 = no limit
     max_minutes: float = 0.0  # 0 = no limit
-    run_dir: str = "runs"
+    run_dir: str = "runs"  # the run writes to <run_dir>/<name>/
     stream: str = "memory"  # memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # trainer steps between checkpoints (0 = only the final one)
     keep_checkpoints: int = 2
     tensorboard: bool = True
-    wandb: bool = False
+    wandb: bool = False  # W&B in offline mode (needs the wandb package)
+    # where the roles run (a multi-host launcher fills these in; the roles read nothing else)
+    server_urls: list[str] = field(default_factory=list)  # use running servers instead of launching them
+    server_devices: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES of server k (empty = inherit)
+    trainer_devices: str = ""  # CUDA_VISIBLE_DEVICES of the trainer (empty = inherit)
+    weight_sync_host: str = "127.0.0.1"  # trainer rank 0's address, as the servers see it
+    weight_sync_port: int = 29555  # TCPStore port of the weight-update process group
+    # launcher
+    startup_timeout_s: float = 180.0  # wait this long for every server's /health
+    scrape_every_s: float = 2.0  # how often the launcher reads each server's /metrics
+    progress: bool = True  # live progress line in the terminal
+    log_tail_lines: int = 15  # lines of a failed role's log printed on failure

@@ -1,0 +1,148 @@
+"""The trainer loop over N FSDP2 ranks. Rank 0 alone talks to the stream and the servers: it takes the step's
+groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
+over the default process group; all ranks then run the collective forward/backward (StepAccumulator keeps their
+micro-batch counts equal), the optimizer step, and the weight gather that rank 0 streams to the servers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from inflight.algo import advantages as adv_mod
+from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
+from inflight.streams.serialize import decode_group, encode_group
+from inflight.trainer.accumulate import StepAccumulator
+from inflight.trainer.packing import count_loss_tokens
+
+
+def broadcast_bytes(blobs: list[bytes] | None, rank: int) -> list[bytes]:
+    """Rank 0's list of byte strings to every rank (lengths first, then one uint8 buffer)."""
+    n = torch.tensor([len(blobs) if rank == 0 else 0], dtype=torch.long)
+    dist.broadcast(n, 0)
+    lens = torch.tensor([len(b) for b in blobs] if rank == 0 else [0] * int(n), dtype=torch.long)
+    dist.broadcast(lens, 0)
+    buf = (torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if rank == 0 and int(lens.sum())
+           else torch.empty(int(lens.sum()), dtype=torch.uint8))
+    if buf.numel():
+        dist.broadcast(buf, 0)
+    raw, out, pos = buf.numpy().tobytes(), [], 0
+    for k in lens.tolist():
+        out.append(raw[pos:pos + k])
+        pos += k
+    return out
+
+
+def token_lags(samples: list, weights_version: int) -> list[int]:
+    return [weights_version - v for s in samples for v in s.versions[(0 if s.prompt_ids else 1):]]
+
+
+class DistributedTrainerLoop(TrainerLoop):
+    def __init__(self, *args: Any, rank: int, world_size: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.rank, self.world = rank, world_size
+        if self.cfg.algo.loss == "decoupled_ppo" or self.ref_engine is not None:
+            raise ValueError("trainer.backend=fsdp2 does not support decoupled_ppo or kl_coef > 0 yet")
+
+    def _collect(self) -> tuple[list, float, bool]:
+        """Rank 0: the step's groups in start order, time spent waiting, and whether the run must stop."""
+        gps, groups, wait_s = self.cfg.actor.groups_per_step, [], 0.0
+        if self.done():
+            return [], 0.0, True
+        while len(groups) < gps:
+            got = self.order.take(gps - len(groups), self.live_cap())
+            if got:
+                groups += got
+                continue
+            tw = time.time()
+            new = self.stream.get(gps, timeout_s=0.5)
+            self.order.add(new)
+            wait_s += time.time() - tw
+            if not new and not self._time_left():
+                return [], wait_s, True
+        return groups, wait_s, False
+
+    def step(self) -> dict[str, float]:
+        t0 = time.time()
+        groups, wait_s, stop = self._collect() if self.rank == 0 else ([], 0.0, False)
+        flag = torch.tensor([int(stop)], dtype=torch.long)
+        dist.broadcast(flag, 0)
+        if int(flag):
+            raise StopTraining
+        blobs = broadcast_bytes([encode_group(g) for g in groups] if self.rank == 0 else None, self.rank)
+        everything = [decode_group(b) for b in blobs]
+        mine = everything[self.rank::self.world]
+        n_seq = sum(len(g) for g in everything)
+        acc = StepAccumulator(self.engine, self.loss_fn, self.cfg.trainer.micro_batch_tokens, n_seq, None,
+                              temperature=self.cfg.actor.temperature)
+        advs = adv_mod.compute_advantages([[s.reward for s in g] for g in mine], self.cfg.algo) if mine else []
+        acc.add([s for g in mine for s in g], [a for adv in advs for a in adv])
+        stats = acc.finish()  # collective: backward on the rest, then the optimizer step
+        version = self.engine.version
+        t_train = time.time() - t0 - wait_s
+        samples = [s for g in everything for s in g]
+        self.samples_trained += len(samples)
+        push_s, pause_s = 0.0, None
+        if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
+            tp = time.time()
+            if self.rank == 0:
+                res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+                pauses = list((res.get("pause_s") or {}).values())
+                pause_s = max(pauses) if pauses else None
+                self.stream.publish_version(version)
+            else:
+                for _ in self.engine.named_weights():  # collective gather; rank 0 sends
+                    pass
+            push_s = time.time() - tp
+            self.server_version = version
+        if self.rank != 0:
+            return {}
+        self.stream.ack(self.stream.consumed - len(self.order))
+        lags = token_lags(samples, version - 1)
+        n_tok = count_loss_tokens(samples)
+        record = {
+            "loss": stats.get("loss"), "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
+            "lag_min": min(lags, default=0), "lag_max": max(lags, default=0),
+            "lag_mean": sum(lags) / max(1, len(lags)), "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
+            **version_mix(samples), "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+            "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,
+            "wait_s": wait_s, "train_s": t_train, "push_s": push_s, "pause_s": pause_s,
+            "step_s": time.time() - t0, "tokens_per_s": n_tok / max(t_train, 1e-9),
+            "server_version": self.server_version, "skipped_groups": len(self.order.skipped),
+            "elapsed_s": time.time() - self.started,
+        }
+        self.log.log("train_step", step=version, **record)
+        return record
+
+    def checkpoint(self, final: bool = False):
+        if self.rank == 0:
+            return super().checkpoint(final)
+        self.engine.save("")  # collective gather; only rank 0 writes
+
+    def done(self) -> bool:
+        return self.rank == 0 and super().done()
+
+    def run(self) -> None:
+        if self.rank == 0:
+            self.stream.publish_version(0)
+        try:
+            while True:
+                self.step()
+                every = self.cfg.pipeline.checkpoint_every
+                if every and self.engine.version % every == 0:
+                    self.checkpoint()
+        except StopTraining:
+            pass
+        if self.server_version != self.engine.version:  # sync mode mid-round
+            if self.rank == 0:
+                self.sync.push(self.engine.named_weights(), self.engine.version, self.cfg.pipeline.update_mode)
+                self.stream.publish_version(self.engine.version)
+            else:
+                for _ in self.engine.named_weights():
+                    pass
+        self.checkpoint(final=True)
+        if self.rank == 0:
+            self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,
+                         elapsed_s=time.time() - self.started)

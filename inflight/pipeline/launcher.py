@@ -1,0 +1,259 @@
+"""`run_pipeline(cfg)`: start the inference servers, the trainer and the actor as separate processes, watch them,
+and stop everything when the trainer is done, on Ctrl-C, or when any role dies (naming it, with its last log
+lines). Every role logs to runs/<name>/logs/<role>.log and appends events to runs/<name>/metrics.jsonl; the
+launcher itself scrapes each server's /metrics and shows live progress.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inflight.config import save_config
+from inflight.pipeline.metrics import MetricsLogger, read_metrics
+from inflight.pipeline.procs import Child, ProcessGroup
+from inflight.pipeline.progress import Progress
+from inflight.pipeline.roles import actor_main, trainer_main
+from inflight.pipeline.scrape import ServerScraper
+
+
+class RoleFailed(RuntimeError):
+    def __init__(self, role: str, message: str):
+        super().__init__(message)
+        self.role = role
+
+
+def run_dir_of(cfg: Any) -> Path:
+    return Path(cfg.pipeline.run_dir) / cfg.name
+
+
+def check_config(cfg: Any) -> None:
+    p = cfg.pipeline
+    if p.mode not in ("pipelined", "sync"):
+        raise ValueError(f"pipeline.mode must be 'pipelined' or 'sync', got {p.mode!r}")
+    if p.update_mode not in ("keep", "interrupt"):
+        raise ValueError(f"pipeline.update_mode must be 'keep' or 'interrupt', got {p.update_mode!r}")
+    if p.mode == "sync" and p.num_grad_steps < 1:
+        raise ValueError("pipeline.num_grad_steps must be >= 1")
+    if not (p.max_steps or p.max_samples or p.max_minutes):
+        raise ValueError("set at least one of pipeline.max_steps, max_samples, max_minutes")
+    if p.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
+    if not Path(cfg.model.path).exists():
+        raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
+
+
+def actor_config_for(cfg: Any) -> Any:
+    """Sync mode is the staleness bound at num_grad_steps - 1 with weights published once per round: the actor
+    then generates exactly one round of groups per published version (see docs/architecture.md)."""
+    if cfg.pipeline.mode == "sync":
+        cfg.actor.max_lag = cfg.pipeline.num_grad_steps - 1
+    return cfg
+
+
+def server_urls(cfg: Any) -> list[str]:
+    if cfg.pipeline.server_urls:
+        return list(cfg.pipeline.server_urls)
+    s = cfg.server
+    return [f"http://{s.host}:{s.base_port + k}" for k in range(s.num_servers)]
+
+
+def server_command(cfg: Any, k: int) -> list[str]:
+    s = cfg.server
+    argv = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(cfg.model.path), "--host", s.host,
+            "--port", str(s.base_port + k), "--dtype", s.dtype, "--max-batch", str(s.max_batch),
+            "--max-model-len", str(s.max_model_len), "--max-tokens-per-step", str(s.max_tokens_per_step),
+            "--threads", str(s.threads)]
+    if k < len(cfg.pipeline.server_devices):
+        argv += ["--device", "cuda"]
+    if s.engine != "builtin":
+        argv += ["--engine", s.engine]
+    if s.api_key:
+        argv += ["--api-key", s.api_key]
+    return argv
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
+
+
+def start_trainer(procs: ProcessGroup, cfg: Any, run_dir: Path, urls: list[str], stream: Any,
+                  env: dict[str, str]) -> Child:
+    """One trainer process, or trainer.num_processes FSDP2 ranks (rank 0 is 'trainer'); returns rank 0."""
+    args = (cfg, str(run_dir), urls, stream)
+    if cfg.trainer.backend != "fsdp2":
+        return procs.start_function("trainer", trainer_main, args, env=env)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = cfg.trainer.num_processes
+    ranks = []
+    for r in range(n):
+        renv = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}
+        ranks.append(procs.start_function("trainer" if r == 0 else f"trainer-rank{r}", trainer_main, args, env=renv))
+    return ranks[0]
+
+
+def wait_healthy(urls: list[str], children: list[Child], timeout_s: float, api_key: str = "") -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.time() + timeout_s
+    pending = set(urls)
+    with httpx.Client(timeout=2.0, headers=headers) as http:
+        while pending:
+            for child in children:
+                if child.poll() is not None:
+                    raise RoleFailed(child.name, f"{child.name} exited with code {child.poll()} while starting")
+            for url in list(pending):
+                try:
+                    if http.get(url + "/health").status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            if time.time() > deadline:
+                raise RoleFailed("server", f"servers not healthy after {timeout_s:.0f} s: {sorted(pending)}")
+            time.sleep(0.2)
+
+
+def _failure_message(child: Child, tail_lines: int) -> str:
+    code = child.poll()
+    why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return (f"role '{child.name}' stopped unexpectedly ({why}); last lines of {child.log_path}:\n"
+            + "".join(f"  | {line}\n" for line in child.tail(tail_lines).splitlines()))
+
+
+def run_pipeline(cfg: Any) -> int:
+    """Run the whole pipeline; returns 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C."""
+    from inflight.streams import make_stream
+
+    check_config(cfg)
+    cfg = actor_config_for(cfg)
+    run_dir = run_dir_of(cfg)
+    fresh_run_dir(run_dir)
+    save_config(cfg, run_dir)
+    log = MetricsLogger(run_dir, "launcher")
+    log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode)
+    procs = ProcessGroup(run_dir / "logs")
+    urls = server_urls(cfg)
+    ctx = mp.get_context("spawn")
+    stream = make_stream(cfg.pipeline, name=cfg.name, ctx=ctx,
+                         capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
+    if hasattr(stream, "reset"):
+        stream.reset()
+    progress = Progress(cfg, enabled=cfg.pipeline.progress)
+    code = 0
+    old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        servers = []
+        if not cfg.pipeline.server_urls:
+            for k in range(cfg.server.num_servers):
+                env = _thread_env(cfg.server.threads)
+                if k < len(cfg.pipeline.server_devices):
+                    env["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.server_devices[k]
+                servers.append(procs.start_command(f"server{k}", server_command(cfg, k), env=env))
+        # the trainer loads while the servers do (it waits for /health itself); the actor starts once they answer
+        tenv = _thread_env(cfg.trainer.threads)
+        if cfg.pipeline.trainer_devices:
+            tenv["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.trainer_devices
+        trainer = start_trainer(procs, cfg, run_dir, urls, stream, tenv)
+        wait_healthy(urls, procs.children, cfg.pipeline.startup_timeout_s, cfg.server.api_key)
+        log.log("servers_ready", urls=urls)
+        procs.start_function("actor", actor_main, (cfg, str(run_dir), urls, stream), env=_thread_env(1))
+        log.log("roles_started", pids={c.name: c.pid for c in procs.children})
+        scraper = ServerScraper(urls, log, cfg.server.api_key)
+        next_scrape = 0.0
+        while True:
+            if trainer.poll() == 0:
+                break
+            failed = next((c for c in procs.children if c.poll() not in (None, 0) or (c.poll() == 0 and not
+                           c.name.startswith(("actor", "trainer")))), None)  # the actor may finish first
+            if failed is not None:
+                raise RoleFailed(failed.name, _failure_message(failed, cfg.pipeline.log_tail_lines))
+            if time.time() >= next_scrape:
+                next_scrape = time.time() + cfg.pipeline.scrape_every_s
+                progress.servers(scraper.scrape())
+            progress.update(run_dir)
+            time.sleep(0.2)
+        progress.servers(scraper.scrape())
+        final_eval(cfg, urls, log)
+        progress.update(run_dir)
+        log.log("run_done", elapsed_s=time.time() - log_start(run_dir))
+    except RoleFailed as exc:
+        progress.close()
+        print(f"\ninflight: {exc}", file=sys.stderr)
+        log.log("role_failed", failed_role=exc.role, message=str(exc)[:2000])
+        code = 1
+    except KeyboardInterrupt:
+        progress.close()
+        print("\ninflight: interrupted; stopping every role", file=sys.stderr)
+        log.log("interrupted")
+        code = 130
+    finally:
+        progress.close()
+        if hasattr(stream, "close"):
+            stream.close()
+        procs.stop_all()
+        signal.signal(signal.SIGTERM, old_term)
+        log.close()
+    if code == 0:
+        from inflight.pipeline.report import write_report
+
+        path = write_report([run_dir])
+        print(f"inflight: run finished; report: {path}")
+    return code
+
+
+def final_eval(cfg: Any, urls: list[str], log: MetricsLogger) -> None:
+    """Held-out accuracy of the final weights (the servers hold them now), so every run ends with a measurement."""
+    import asyncio
+
+    from inflight.actor.evaluate import evaluate
+    from inflight.actor.server_pool import ServerPool
+    from inflight.tasks import get_task
+
+    if cfg.actor.eval_every <= 0:
+        return
+    version = max((r.get("step", 0) for r in read_metrics(run_dir_of(cfg), event="train_step")), default=0)
+
+    async def main() -> dict:
+        pool = ServerPool(urls, api_key=cfg.server.api_key or None, adapter=cfg.actor.adapter,
+                          request_timeout_s=cfg.actor.request_timeout_s)
+        try:
+            return await evaluate(get_task(cfg.task), pool, cfg.actor)
+        finally:
+            await pool.aclose()
+
+    try:
+        res = asyncio.run(main())
+    except Exception as exc:  # the run itself succeeded; say why the last measurement is missing
+        print(f"inflight: final evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
+    log.log("eval", step=version, accuracy=res.get("pass@1"), final=True, trainer_version=version,
+            **{k: v for k, v in res.items() if k != "labels"})
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """A run starts from an empty record: old metrics, logs, event files and report of the same name go."""
+    import shutil
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "report.html", "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in ("logs", "tensorboard", "plots"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+def log_start(run_dir: Path) -> float:
+    starts = read_metrics(run_dir, event="run_start")
+    return starts[-1]["time"] if starts else time.time()

@@ -1,0 +1,196 @@
+"""`inflight report RUN_DIR [RUN_DIR ...]`: report.html with PNG plots from the runs' metrics.jsonl.
+
+With one run the report goes into that run's folder; with several, every plot draws all runs on the same axes
+(e.g. pipelined vs sync) and the report goes into the first run's folder unless --out says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from inflight.pipeline.metrics import read_metrics
+
+PLOTS = ("accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer")
+
+
+class Run:
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.name = self.dir.name
+        self.records = read_metrics(self.dir)
+        if not self.records:
+            raise FileNotFoundError(f"{self.dir / 'metrics.jsonl'} is missing or empty")
+        starts = [r["time"] for r in self.records if r.get("event") == "run_start"]
+        self.t0 = starts[0] if starts else min(r["time"] for r in self.records)
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.records if r.get("event") == name]
+
+    def series(self, event: str, key: str, x: str = "time") -> tuple[list[float], list[float]]:
+        xs, ys = [], []
+        for r in self.events(event):
+            if r.get(key) is None:
+                continue
+            xv = (r["time"] - self.t0) if x == "time" else r.get(x)
+            if xv is None:
+                continue
+            xs.append(float(xv))
+            ys.append(float(r[key]))
+        return xs, ys
+
+
+def _samples_at(run: Run) -> list[tuple[float, float]]:
+    """(wall time, samples trained) after every trainer step, to place evaluations on the samples axis."""
+    return [(r["time"], r.get("samples_total", 0)) for r in run.events("train_step")]
+
+
+def _eval_points(run: Run) -> tuple[list[float], list[float], list[float]]:
+    steps = _samples_at(run)
+    ts, samples, acc = [], [], []
+    for r in run.events("eval"):
+        if r.get("accuracy") is None:
+            continue
+        before = [s for t, s in steps if t <= r["time"]]
+        ts.append(r["time"] - run.t0)
+        samples.append(float(r.get("samples_total", before[-1] if before else 0)))
+        acc.append(100.0 * float(r["accuracy"]))
+    return ts, samples, acc
+
+
+def summary(run: Run) -> dict[str, Any]:
+    steps = run.events("train_step")
+    evals = _eval_points(run)[2]
+    lag = Counter()
+    for r in steps:
+        lag.update({int(k): v for k, v in (r.get("lag_hist") or {}).items()})
+    done = run.events("trainer_done")
+    return {
+        "run": run.name,
+        "steps": len(steps),
+        "samples": steps[-1].get("samples_total", 0) if steps else 0,
+        "wall_s": round((done[-1]["time"] if done else run.records[-1]["time"]) - run.t0, 1),
+        "first_accuracy": evals[0] if evals else None,
+        "last_accuracy": evals[-1] if evals else None,
+        "best_accuracy": max(evals) if evals else None,
+        "lag_max": max(lag) if lag else None,
+        "mixed_version_samples": sum(r.get("mixed_version_samples", 0) for r in steps),
+    }
+
+
+def _plot(name: str, runs: list[Run], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for run in runs:
+        if name == "accuracy":
+            t, s, a = _eval_points(run)
+            axes[0].plot(t, a, marker="o", label=run.name)
+            axes[1].plot(s, a, marker="o", label=run.name)
+            axes[0].set(xlabel="wall time (s)", ylabel="held-out accuracy (%)")
+            axes[1].set(xlabel="samples trained", ylabel="held-out accuracy (%)")
+        elif name == "reward":
+            axes[0].plot(*run.series("train_step", "reward_mean"), label=run.name)
+            axes[1].plot(*run.series("train_step", "reward_mean", x="samples_total"), label=run.name)
+            axes[0].set(xlabel="wall time (s)", ylabel="mean training reward")
+            axes[1].set(xlabel="samples trained", ylabel="mean training reward")
+        elif name == "lag_hist":
+            lag = Counter()
+            for r in run.events("train_step"):
+                lag.update({int(k): v for k, v in (r.get("lag_hist") or {}).items()})
+            ks = sorted(lag)
+            total = max(1, sum(lag.values()))
+            axes[0].bar([k + 0.1 * runs.index(run) for k in ks], [lag[k] / total for k in ks], width=0.3,
+                        label=run.name)
+            axes[0].set(xlabel="lag (trainer version - token version)", ylabel="share of trained tokens")
+            axes[1].plot(*run.series("train_step", "lag_max", x="step"), label=f"{run.name} max")
+            axes[1].plot(*run.series("train_step", "lag_mean", x="step"), ls="--", label=f"{run.name} mean")
+            axes[1].set(xlabel="trainer step", ylabel="lag per step")
+        elif name == "server_throughput":
+            for srv in sorted({r.get("server") for r in run.events("server_metrics")}):
+                pts = [r for r in run.events("server_metrics") if r.get("server") == srv]
+                t = [r["time"] - run.t0 for r in pts]
+                axes[0].plot(t, [r.get("tokens_per_s") or 0 for r in pts], label=f"{run.name} s{srv}")
+                axes[1].plot(t, [r.get("batch_occupancy") or 0 for r in pts], label=f"{run.name} s{srv}")
+            axes[0].set(xlabel="wall time (s)", ylabel="server generated tokens/s")
+            axes[1].set(xlabel="wall time (s)", ylabel="running sequences (batch occupancy)")
+        elif name == "pause":
+            axes[0].plot(*run.series("train_step", "pause_s", x="step"), marker=".", label=run.name)
+            axes[0].set(xlabel="trainer step", ylabel="server pause per update (s)")
+            axes[1].plot(*run.series("train_step", "push_s", x="step"), marker=".", label=run.name)
+            axes[1].set(xlabel="trainer step", ylabel="weight push, trainer side (s)")
+        elif name == "trainer":
+            axes[0].plot(*run.series("train_step", "tokens_per_s"), label=run.name)
+            axes[0].set(xlabel="wall time (s)", ylabel="trainer tokens/s (training time only)")
+            axes[1].plot(*run.series("train_step", "wait_s"), label=run.name)
+            axes[1].set(xlabel="wall time (s)", ylabel="trainer time waiting for data per step (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+TITLES = {
+    "accuracy": "Held-out accuracy vs wall time and vs samples",
+    "reward": "Training reward vs wall time and vs samples",
+    "lag_hist": "Policy lag of trained tokens",
+    "server_throughput": "Inference servers: tokens/s and batch occupancy",
+    "pause": "Time paused per weight update",
+    "trainer": "Trainer tokens/s and time waiting for data",
+}
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
+    runs = [Run(d) for d in run_dirs]
+    out = Path(out_dir) if out_dir else runs[0].dir
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    rows = [summary(r) for r in runs]
+    cols = list(rows[0])
+    table = "<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>"
+    for row in rows:
+        cells = "".join(f"<td>{html.escape(str(round(v, 1) if isinstance(v, float) else v))}</td>"
+                        for v in row.values())
+        table += f"<tr>{cells}</tr>"
+    body = [f"<h1>inflight report: {html.escape(', '.join(r.name for r in runs))}</h1>", f"<table>{table}</table>"]
+    for name in PLOTS:
+        png = _plot(name, runs, plots)
+        body.append(f"<h2>{TITLES[name]}</h2><img src='plots/{png.name}'>")
+    for run in runs:
+        cfg = run.dir / "config.yaml"
+        if cfg.exists():
+            body.append(f"<h2>config: {html.escape(run.name)}</h2><pre>{html.escape(cfg.read_text())}</pre>")
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:3px 8px}img{max-width:100%}")
+    path = out / "report.html"
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>inflight report</title>"
+                    f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", help="runs/<name> folders (several: drawn on the same axes)")
+    parser.add_argument("--out", default=None, help="folder for report.html (default: the first run's folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        path = write_report(args.run_dirs, args.out)
+    except FileNotFoundError as exc:
+        print(f"inflight report: {exc}")
+        return 2
+    print(f"report: {path}")
+    return 0

@@ -1,0 +1,88 @@
+"""Entry points of the role processes the launcher starts (multiprocessing "spawn" targets). Each one gets the
+resolved RunConfig, the run folder, the server URLs and the stream object, and nothing else: where a role runs is
+configuration, what it talks to is the two contracts and the stream."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from inflight.pipeline.metrics import MetricsLogger
+
+
+def _setup(cfg: Any, threads: int) -> None:
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+
+
+def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) -> None:
+    """The trainer role: engine + weight sync + TrainerLoop, until a limit (steps, samples, minutes).
+    With trainer.backend=fsdp2 this is one rank (RANK / WORLD_SIZE / MASTER_* in the environment); rank 0 alone
+    reads the stream, pushes weights and logs."""
+    from inflight.pipeline.trainer_loop import TrainerLoop
+    from inflight.trainer.single import make_trainer
+    from inflight.trainer.weight_sync import WeightSyncClient
+
+    _setup(cfg, cfg.trainer.threads)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    t0 = time.time()
+    engine = make_trainer(cfg.model.path, cfg.trainer)
+    engine.init()
+    if world > 1 and rank > 0:
+        from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
+
+        DistributedTrainerLoop(cfg, engine, stream, None, None, run_dir, rank=rank, world_size=world).run()
+        return
+    log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
+    ref = None
+    if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights
+        ref = make_trainer(cfg.model.path, cfg.trainer)
+        ref.init()
+    sync = WeightSyncClient(server_urls, api_key=cfg.server.api_key or None,
+                            master_address=cfg.pipeline.weight_sync_host, master_port=cfg.pipeline.weight_sync_port,
+                            backend="nccl" if cfg.trainer.device.startswith("cuda") else "gloo",
+                            transport=cfg.trainer.weight_transport, dtype=cfg.server.dtype)
+    from inflight.pipeline.launcher import wait_healthy
+
+    wait_healthy(server_urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)  # servers may still load
+    sync.init_process_group()
+    log.log("trainer_ready", step=0, init_s=time.time() - t0, pid=os.getpid())
+    try:
+        if world > 1:
+            from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
+
+            DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world).run()
+        else:
+            TrainerLoop(cfg, engine, stream, sync, log, run_dir, ref_engine=ref).run()
+    finally:
+        sync.close()
+        log.close()
+
+
+def actor_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) -> None:
+    """The actor role: rollouts through the servers, rewards, groups into the stream, held-out evaluations."""
+    from inflight.actor import run_actor
+
+    _setup(cfg, 1)
+    log = MetricsLogger(run_dir, "actor", tensorboard=cfg.pipeline.tensorboard)
+
+    def sink(record: dict) -> None:
+        rec = dict(record)
+        kind = rec.pop("kind", "actor")
+        if kind == "eval" and "pass@1" in rec:
+            rec["accuracy"] = rec["pass@1"]
+        log.log(kind, step=rec.get("trainer_version"), **{k.replace("actor/", ""): v for k, v in rec.items()})
+
+    try:
+        final = run_actor(cfg, server_urls, stream, metrics_sink=sink)
+        failures = final.pop("failures", [])
+        log.log("actor_done", failures=failures[:20], **{k.replace("actor/", ""): v for k, v in final.items()})
+    finally:
+        log.close()

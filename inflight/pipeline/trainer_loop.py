@@ -1,0 +1,217 @@
+"""The trainer role: groups from the stream -> advantages -> packed micro-batches -> backward -> optimizer step ->
+weights to every server -> version published on the stream. One loop for both modes:
+
+- pipelined: weights go to the servers after every optimizer step (in flight, `update_mode` keep | interrupt);
+- sync: after every `num_grad_steps` steps only, so the steps of one round train on data of lag 0, 1, ..., n-1.
+
+Exactly `groups_per_step` groups make one optimizer step, oldest first (the stream is ordered). Micro-batches are
+packed and back-propagated while the step's groups are still arriving, except for token normalisation, which needs
+the step's token count first.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.algo import advantages as adv_mod
+from inflight.algo.losses import lag_stats, make_loss, merge_stats
+from inflight.contracts import Group, Sample
+from inflight.pipeline.ordering import StartOrder
+from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
+
+
+class StopTraining(Exception):
+    """Raised when a limit (steps, samples, minutes) ends the run while waiting for data."""
+
+
+@dataclass
+class StepData:
+    """The samples of one optimizer step seen so far, with their advantages, and the micro-batches not yet run."""
+
+    samples: list[Sample] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
+    groups: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+
+def version_mix(samples: list[Sample]) -> dict[str, Any]:
+    """Samples whose completion tokens come from more than one weight version (in-flight updates), and the
+    trainer version each group was started at (the actor's staleness bound acts on it)."""
+    mixed = sum(1 for s in samples if len(set(s.versions)) > 1)
+    starts = [s.meta.get("start_version") for s in samples if s.meta.get("start_version") is not None]
+    return {"mixed_version_samples": float(mixed), "mixed_version_frac": mixed / max(1, len(samples)),
+            "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
+
+
+class TrainerLoop:
+    def __init__(self, cfg: Any, engine: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
+                 ref_engine: Any = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.stream = stream
+        self.sync = sync_client
+        self.log = log
+        self.run_dir = Path(run_dir)
+        self.ref_engine = ref_engine
+        self.loss_fn = make_loss(cfg.algo)
+        self.samples_trained = 0
+        self.started = time.time()
+        self.server_version = 0
+        self.order = StartOrder(hole_timeout_s=cfg.actor.request_timeout_s * (cfg.actor.retries + 1))
+
+    # -- limits -----------------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        p = self.cfg.pipeline
+        if p.max_steps and self.engine.version >= p.max_steps:
+            return True
+        if p.max_samples and self.samples_trained >= p.max_samples:
+            return True
+        return bool(p.max_minutes and time.time() - self.started >= 60.0 * p.max_minutes)
+
+    def _time_left(self) -> bool:
+        p = self.cfg.pipeline
+        return not (p.max_minutes and time.time() - self.started >= 60.0 * p.max_minutes)
+
+    def live_cap(self) -> int:
+        """The most groups the actor may have started (and not given up) at the version published last."""
+        from inflight.actor.run import pipeline_limits
+
+        a = self.cfg.actor
+        cap = (self.server_version + a.max_lag + 1) * a.groups_per_step
+        limit = pipeline_limits(self.cfg)[0]
+        return min(cap, limit) if limit else cap
+
+    # -- one optimizer step -------------------------------------------------------------------------------------
+    def _micro_batch(self, data: StepData, idx: list[int], n_seq: int, n_tok: int):
+        s = [data.samples[i] for i in idx]
+        a = [data.advantages[i] for i in idx]
+        batch = collate(s, a, n_seq, n_tok, temperature=self.cfg.actor.temperature)
+        if self.cfg.algo.loss == "decoupled_ppo":  # pi_prox: weights before this step (unchanged until the step)
+            batch.prox_logprobs = self.engine.forward_logprobs(batch)
+        if self.ref_engine is not None:
+            batch.ref_logprobs = self.ref_engine.forward_logprobs(batch)
+        return batch
+
+    def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list, lags: list) -> None:
+        """Back-propagate the pending samples' full micro-batches (all of them when final)."""
+        budget = self.cfg.trainer.micro_batch_tokens
+        lengths = [len(data.samples[i]) for i in data.pending]
+        if not final and sum(lengths) < budget:
+            return
+        bins = first_fit_decreasing(lengths, budget)
+        ready = bins if final else bins[:-1]  # keep the last, least full bin open for more samples
+        done: set[int] = set()
+        for b in ready:
+            idx = [data.pending[j] for j in b]
+            batch = self._micro_batch(data, idx, n_seq, n_tok)
+            stats.append(self.engine.backward(batch, self.loss_fn))
+            lags.append((batch.versions, batch.loss_mask))
+            done.update(idx)
+        data.pending = [i for i in data.pending if i not in done]
+
+    def _add_groups(self, data: StepData, groups: list[Group]) -> None:
+        rewards = [[s.reward for s in g] for g in groups]
+        for g, adv in zip(groups, adv_mod.compute_advantages(rewards, self.cfg.algo), strict=True):
+            for s, a in zip(g, adv, strict=True):
+                data.pending.append(len(data.samples))
+                data.samples.append(s)
+                data.advantages.append(float(a))
+                data.rewards.append(s.reward)
+            data.groups += 1
+
+    def step(self) -> dict[str, float]:
+        gps = self.cfg.actor.groups_per_step
+        n_seq = gps * self.cfg.actor.group_size
+        incremental = self.cfg.algo.normalization != "tokens"
+        data, stats, lags = StepData(), [], []
+        t0 = time.time()
+        wait_s = 0.0
+        while data.groups < gps:
+            groups = self.order.take(gps - data.groups, self.live_cap())
+            if not groups:
+                tw = time.time()
+                got = self.stream.get(gps, timeout_s=0.5)
+                self.order.add(got)
+                wait_s += time.time() - tw
+                if not got and not self._time_left():
+                    raise StopTraining
+                continue
+            self._add_groups(data, groups)
+            if incremental:
+                self._run(data, False, n_seq, 0, stats, lags)
+        n_tok = count_loss_tokens(data.samples)
+        self._run(data, True, n_seq, n_tok, stats, lags)
+        opt = self.engine.optimizer_step()
+        version = self.engine.version
+        t_train = time.time() - t0 - wait_s
+
+        # lag = version of the weights being trained (before this step) - version that generated the token
+        versions = torch.cat([v for v, _ in lags])
+        mask = torch.cat([m for _, m in lags])
+        lag = lag_stats(version - 1, versions, mask)
+        token_lags = (version - 1 - versions[mask > 0]).tolist()
+        lag_hist = {str(k): token_lags.count(k) for k in sorted(set(token_lags))}
+        self.samples_trained += len(data.samples)
+        self.stream.ack(self.stream.consumed - len(self.order))  # buffered groups are not used yet
+
+        push_s, pause_s = 0.0, None
+        if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
+            tp = time.time()
+            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+            push_s = time.time() - tp
+            pauses = list((res.get("pause_s") or {}).values())
+            pause_s = max(pauses) if pauses else None  # the slowest server's pause
+            self.stream.publish_version(version)
+            self.server_version = version
+        step_s = time.time() - t0
+        loss = merge_stats(stats)
+        record = {
+            **{k: loss[k] for k in ("loss", "ratio_mean", "ratio_max", "clip_frac", "mask_frac", "ess", "kl",
+                                    "entropy")},
+            **opt, **lag, **version_mix(data.samples), "lag_hist": lag_hist,
+            "reward_mean": sum(data.rewards) / len(data.rewards),
+            "samples": len(data.samples), "samples_total": self.samples_trained,
+            "tokens": n_tok, "micro_batches": len(stats),
+            "wait_s": wait_s, "train_s": t_train, "push_s": push_s, "pause_s": pause_s, "step_s": step_s,
+            "tokens_per_s": n_tok / max(t_train, 1e-9), "server_version": self.server_version,
+            "skipped_groups": len(self.order.skipped),
+            "elapsed_s": time.time() - self.started,
+        }
+        self.log.log("train_step", step=version, **record)
+        return record
+
+    def checkpoint(self, final: bool = False) -> Path:
+        ckpt_root = self.run_dir / "checkpoints"
+        path = ckpt_root / ("final" if final else f"step_{self.engine.version:06d}")
+        self.engine.save(str(path))
+        keep = self.cfg.pipeline.keep_checkpoints
+        old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+        for p in old[: max(0, len(old) - keep)]:
+            shutil.rmtree(p, ignore_errors=True)
+        self.log.log("checkpoint", step=self.engine.version, path=str(path))
+        return path
+
+    def run(self) -> None:
+        self.stream.publish_version(0)  # the servers hold the initial weights: the actor may start
+        every = self.cfg.pipeline.checkpoint_every
+        try:
+            while not self.done():
+                self.step()
+                if every and self.engine.version % every == 0:
+                    self.checkpoint()
+        except StopTraining:
+            pass
+        if self.server_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
+            self.sync.push(self.engine.named_weights(), self.engine.version, self.cfg.pipeline.update_mode)
+            self.stream.publish_version(self.engine.version)
+            self.server_version = self.engine.version
+        self.checkpoint(final=True)
+        self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,
+                     elapsed_s=time.time() - self.started)

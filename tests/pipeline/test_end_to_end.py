@@ -1,0 +1,160 @@
+"""The whole pipeline, for real: `inflight serve` processes, the trainer and the actor as processes, weights over
+a gloo process group, the in-memory stream. Tiny random model, a few steps; each test is one run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMISED = ["config.yaml", "metrics.jsonl", "report.html", "summary.json", "checkpoints/final/config.json",
+            "logs/trainer.log", "logs/actor.log", "logs/server0.log", "logs/server1.log"]
+PLOTS = ["accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_base_port(n: int) -> int:
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65535 and all(_is_free(base + k) for k in range(n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def overrides(model_dir: Path, run_dir: Path, name: str, *extra: str) -> list[str]:
+    return [
+        f"model.path={model_dir}", f"name={name}", f"pipeline.run_dir={run_dir}",
+        "server.num_servers=2", f"server.base_port={free_base_port(2)}", "server.threads=1", "server.max_batch=64",
+        f"pipeline.weight_sync_port={free_port()}", "trainer.threads=1", "pipeline.progress=false",
+        "task.eval_size=16", "actor.eval_every=3", "actor.group_size=4", "actor.groups_per_step=2",
+        "actor.max_new_tokens=160", "actor.max_lag=2", "pipeline.max_steps=8", "pipeline.tensorboard=true",
+        *extra,
+    ]
+
+
+def run_train(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "inflight.cli", "train", "/dev/null", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def records(run: Path, event: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
+
+
+def check_common(run: Path, max_steps: int) -> list[dict]:
+    for rel in PROMISED:
+        assert (run / rel).exists(), f"missing {rel}"
+    for png in PLOTS:
+        assert (run / "plots" / f"{png}.png").stat().st_size > 1000
+    assert any((run / "tensorboard" / "trainer").iterdir())
+    steps = records(run, "train_step")
+    assert [r["step"] for r in steps] == list(range(1, max_steps + 1))
+    assert all(r["samples"] == 8 for r in steps)  # exactly groups_per_step * group_size per optimizer step
+    # every server ends on the final weights, and its version went up during the run
+    for k in (0, 1):
+        versions = [r["weight_version"] for r in records(run, "server_metrics") if r["server"] == k]
+        assert versions[-1] == max_steps and versions == sorted(versions) and len(set(versions)) >= 2
+    final = [r for r in records(run, "eval") if r.get("final")]
+    assert len(final) == 1 and final[0]["version_min"] == max_steps and 0.0 <= final[0]["accuracy"] <= 1.0
+    roles = {json.loads(line)["role"] for line in (run / "metrics.jsonl").read_text().splitlines()}
+    assert roles == {"launcher", "trainer", "actor"}
+    return steps
+
+
+@pytest.mark.parametrize("update_mode", ["keep", "interrupt"])
+def test_pipelined_run(tiny_model_dir, tmp_path, update_mode):
+    res = run_train(overrides(tiny_model_dir, tmp_path, "pipe", f"pipeline.update_mode={update_mode}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "report:" in res.stdout
+    steps = check_common(tmp_path / "pipe", 8)
+    # in flight: weights changed under running sequences, so some sequences hold tokens of several versions
+    assert sum(r["mixed_version_samples"] for r in steps) > 0
+    # the staleness bound holds on every trained token, and data really was off-policy at times
+    assert all(0 <= r["lag_min"] and r["lag_max"] <= 2 for r in steps)
+    assert max(r["lag_max"] for r in steps) >= 1
+    hist = {int(k) for r in steps for k in r["lag_hist"]}
+    assert hist <= {0, 1, 2}
+    assert all(r["push_s"] > 0 and r["server_version"] == r["step"] for r in steps)  # pushed after every step
+
+
+def test_sync_run_lag_pattern(tiny_model_dir, tmp_path):
+    n = 3
+    res = run_train(overrides(tiny_model_dir, tmp_path, "sync", "pipeline.mode=sync", f"pipeline.num_grad_steps={n}",
+                              "pipeline.max_steps=6"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = check_common(tmp_path / "sync", 6)
+    # the conventional loop: one round of n steps per weight version, lag 0, 1, ..., n-1 within each round
+    assert [(r["lag_min"], r["lag_max"]) for r in steps] == [(k % n, k % n) for k in range(6)]
+    assert sum(r["mixed_version_samples"] for r in steps) == 0  # weights never change under a sequence
+    assert [r["server_version"] for r in steps] == [0, 0, 3, 3, 3, 6]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+@pytest.mark.parametrize("how", ["kill_server", "ctrl_c"])
+def test_killing_a_role_or_ctrl_c_stops_everything(tiny_model_dir, tmp_path, how):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = overrides(tiny_model_dir, tmp_path, "kill", "pipeline.max_steps=100000")
+    launcher = subprocess.Popen([sys.executable, "-m", "inflight.cli", "train", "/dev/null", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    run = tmp_path / "kill"
+    try:
+        deadline = time.time() + 180
+        while not (run / "metrics.jsonl").exists() or not records(run, "train_step"):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.time() < deadline, "no training step within 180 s"
+            time.sleep(0.5)
+        pids = records(run, "roles_started")[0]["pids"]
+        assert set(pids) == {"server0", "server1", "trainer", "actor"}
+        if how == "kill_server":
+            os.kill(pids["server1"], signal.SIGKILL)
+        else:
+            launcher.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal delivers to the launcher
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    if how == "kill_server":
+        assert launcher.returncode == 1
+        assert "role 'server1' stopped unexpectedly (killed by signal 9)" in err
+        failed = records(run, "role_failed")
+        assert failed and failed[0]["failed_role"] == "server1"
+    else:
+        assert launcher.returncode == 130 and "interrupted" in err
+        assert records(run, "interrupted")
+    for name, pid in pids.items():
+        deadline = time.time() + 10
+        while _alive(pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), f"{name} (pid {pid}) outlived the launcher"
