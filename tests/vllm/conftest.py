@@ -1,0 +1,43 @@
+"""vLLM backend tests: they need vLLM's own environment (scripts/vllm-cpu-env.sh) and run only when
+INFLIGHT_VLLM_PYTHON points at its python (`make test-vllm` sets it). One server for the whole module."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+VLLM_PYTHON = os.environ.get("INFLIGHT_VLLM_PYTHON", "")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs the vLLM test venv (INFLIGHT_VLLM_PYTHON)")
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny test model with head_dim 32: vLLM's CPU attention has no kernel for head_dim 16."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("vllm_model")
+    for f in Path(tiny_model_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, cfg.hidden_size // 2
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_model_dir):
+    from inflight.engine.vllm_backend.process import VLLMServerProcess
+
+    # -O0: no torch.compile (start-up 35-60 s instead of minutes on 2 cores); float32 (bf16 is slower on CPU).
+    with VLLMServerProcess(str(vllm_model_dir), python=VLLM_PYTHON, env={"OMP_NUM_THREADS": "1"},
+                           vllm_args=["--dtype", "float32", "--max-model-len", "256", "-O0"]) as proc:
+        yield proc
