@@ -1,8 +1,14 @@
 """Decode throughput of the built-in engine beside HF `generate` (static batch) and transformers'
 ContinuousBatchingManager (`generate_batch` with an explicit ContinuousBatchingConfig), on llama models built
-locally from config. Prints tokens/s and ratios from one run.
+locally from config. Prints tokens/s and ratios from one run, and the cost of a weight update.
 
     .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--no-cb]
+
+Tokens/s are given twice: per second of this process's CPU time (time.process_time, all its threads: engine
+thread, asyncio consumer, HF) and per second of wall time. On a shared machine the wall figures swing with other
+people's load; the CPU-time ratios are the ones to compare. The weight-update lines give the time the engine is
+paused per update (run_paused + load_weights of every parameter) and the bytes/s of applying it beside a plain
+memory copy of the same bytes.
 
 For each (model, batch) the engine, HF `generate` and (at --cb-batches) the CB manager run back to back, so they see
 the same machine load. On a shared, oversubscribed machine use --threads 1: with more threads than free cores,
@@ -63,12 +69,45 @@ class EngineBench:
         async def one(rid: str, p: list[int]) -> int:
             return sum([e.token_id >= 0 async for e in self.eng.generate(rid, p, sp)])
 
-        async def go() -> float:
-            t0 = time.perf_counter()
-            n = sum(await asyncio.gather(*[one(f"b{b}-{i}", p) for i, p in enumerate(prompts(b, self.vocab))]))
-            return n / (time.perf_counter() - t0)
+        async def go() -> int:
+            return sum(await asyncio.gather(*[one(f"b{b}-{i}", p) for i, p in enumerate(prompts(b, self.vocab))]))
 
-        return asyncio.run(go())
+        return timed(lambda: asyncio.run(go()))
+
+    def weight_update(self, repeats: int = 5) -> tuple[float, float, float]:
+        """(seconds paused per update, bytes/s applying it, bytes/s of a plain copy of the same bytes)."""
+        eng = self.eng
+        new = {n: p.detach().clone() + 1e-3 for n, p in eng.model.named_parameters()}
+        nbytes = sum(t.numel() * t.element_size() for t in new.values())
+        pauses = []
+        for _ in range(repeats):  # seen from the caller: hand-over to the engine thread + copy + hand-back
+            t0 = time.perf_counter()
+            asyncio.run(eng.run_paused(lambda: eng.load_weights(new, eng.version + 1)))
+            pauses.append(time.perf_counter() - t0)
+        applies = []
+        for _ in range(repeats):
+            async def apply() -> float:
+                def fn() -> float:
+                    t0 = time.perf_counter()
+                    eng.load_weights(new, eng.version + 1)
+                    return time.perf_counter() - t0
+                return await eng.run_paused(fn)
+            applies.append(asyncio.run(apply()))
+        src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        copies = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - t0)
+        return min(pauses), nbytes / min(applies), nbytes / min(copies)
+
+
+def timed(fn) -> tuple[float, float, float]:
+    """(result, CPU seconds of this process, wall seconds)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    n = fn()
+    return n, time.process_time() - c0, time.perf_counter() - t0
 
 
 class HFBench:
@@ -80,25 +119,30 @@ class HFBench:
         self.model.generate(torch.tensor(prompts(2, vocab)), do_sample=True, max_new_tokens=4, min_new_tokens=4,
                             pad_token_id=0)
 
-    def generate(self, b: int) -> float:
+    def generate(self, b: int) -> tuple[float, float, float]:
         ids = torch.tensor(prompts(b, self.vocab))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            res = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      max_new_tokens=self.new, min_new_tokens=self.new, pad_token_id=0)
-        return (res.shape[1] - ids.shape[1]) * b / (time.perf_counter() - t0)
 
-    def continuous(self, b: int) -> float:
+        def go() -> int:
+            with torch.inference_mode():
+                res = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                          max_new_tokens=self.new, min_new_tokens=self.new, pad_token_id=0)
+            return (res.shape[1] - ids.shape[1]) * b
+
+        return timed(go)
+
+    def continuous(self, b: int) -> tuple[float, float, float]:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         new = self.new
         gc = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, eos_token_id=-1, pad_token_id=0)
         cbc = ContinuousBatchingConfig(page_size=32, num_blocks=max(16, b * (16 + new) // 32 + 8),
                                        max_batch_tokens=max(256, b * 16))
-        t0 = time.perf_counter()
-        res = self.model.generate_batch(prompts(b, self.vocab), generation_config=gc, continuous_batching_config=cbc)
-        n = sum(len(r.generated_tokens) for r in res.values())
-        return n / (time.perf_counter() - t0)
+        def go() -> int:
+            res = self.model.generate_batch(prompts(b, self.vocab), generation_config=gc,
+                                            continuous_batching_config=cbc)
+            return sum(len(r.generated_tokens) for r in res.values())
+
+        return timed(go)
 
 
 def main() -> None:
@@ -113,24 +157,36 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     cb_batches = [int(b) for b in args.cb_batches.split(",")]
-    rows = []
+    rows, updates = [], []
+    rate = lambda r: (r[0] / r[1], r[0] / r[2])  # noqa: E731  (tokens per CPU second, per wall second)
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
             path, n_params = build(Path(tmp) / size, size)
             vocab = SIZES[size][-1]
             eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab), HFBench(path, args.new_tokens, vocab)
+            name = f"{size} ({n_params / 1e6:.1f}M)"
             for b in batches:  # the three back to back, so they see the same machine load
-                e, h = eng.run(b), hf.generate(b)
-                c = hf.continuous(b) if not args.no_cb and b in cb_batches else None
-                rows.append((f"{size} ({n_params / 1e6:.1f}M)", b, e, h, c))
+                e, h = rate(eng.run(b)), rate(hf.generate(b))
+                c = rate(hf.continuous(b)) if not args.no_cb and b in cb_batches else None
+                rows.append((name, b, e, h, c))
                 print(rows[-1], flush=True)
+            updates.append((name, n_params * 4, *eng.weight_update()))
+            print(updates[-1], flush=True)
             eng.eng.stop()
-    print(f"\ndecode tokens/s, {args.new_tokens} new tokens, fp32, {args.threads} threads")
-    print(f"| model | batch | engine | HF generate | engine/HF | HF CB manager | engine/CB |")
+    print(f"\ndecode tokens/s, {args.new_tokens} new tokens, fp32, {args.threads} threads; "
+          "per CPU second (per wall second in brackets)")
+    print("| model | batch | engine | HF generate | engine/HF | HF CB manager | engine/CB |")
     print("|---|---|---|---|---|---|---|")
     for name, b, e, h, c in rows:
-        cbs = f"{c:.0f} | {e / c:.1f}x" if c else "- | -"
-        print(f"| {name} | {b} | {e:.0f} | {h:.0f} | {e / h:.2f}x | {cbs} |")
+        cbs = f"{c[0]:.0f} ({c[1]:.0f}) | {e[0] / c[0]:.1f}x ({e[1] / c[1]:.1f}x)" if c else "- | -"
+        print(f"| {name} | {b} | {e[0]:.0f} ({e[1]:.0f}) | {h[0]:.0f} ({h[1]:.0f}) | {e[0] / h[0]:.2f}x "
+              f"({e[1] / h[1]:.2f}x) | {cbs} |")
+    print("\nweight update (all parameters, in place, engine idle)")
+    print("| model | bytes | paused per update | apply bytes/s | plain memory copy bytes/s | apply/copy |")
+    print("|---|---|---|---|---|---|")
+    for name, nbytes, pause, apply_bps, copy_bps in updates:
+        print(f"| {name} | {nbytes / 1e6:.1f} MB | {pause * 1e3:.2f} ms | {apply_bps / 1e9:.2f} GB/s | "
+              f"{copy_bps / 1e9:.2f} GB/s | {apply_bps / copy_bps:.2f} |")
 
 
 if __name__ == "__main__":

@@ -62,23 +62,29 @@ def sample(
     """Returns (tokens [B], logprobs [B], (top values [B, k], top ids [B, k]) or None)."""
     B, V = logits.shape
     greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / t[:, None], dim=-1)
-    if filtered:
-        p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
-        s_logp, s_idx = logp.sort(dim=-1, descending=True)
-        s_prob = s_logp.exp()
-        before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token; the first token is always kept
-        rank = torch.arange(V, device=logits.device)[None]
-        keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
-        keep[:, 0] = True
-        s_logp = s_logp.masked_fill(~keep, float("-inf"))
-        s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
-        logp = torch.empty_like(logp).scatter_(1, s_idx, s_logp)
-    cdf = logp.exp().cumsum(-1)
-    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
-    tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    n_greedy = int(greedy.sum())  # host-side branches below skip whole-vocab passes nobody needs
+    if n_greedy == B:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        t = torch.where(greedy, torch.ones_like(temperature), temperature)
+        logp = torch.log_softmax(logits if bool((t == 1).all()) else logits / t[:, None], dim=-1)
+        if filtered:
+            p = torch.where(greedy, torch.ones_like(top_p), top_p)
+            k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
+            s_logp, s_idx = logp.sort(dim=-1, descending=True)
+            s_prob = s_logp.exp()
+            before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token; the first is always kept
+            rank = torch.arange(V, device=logits.device)[None]
+            keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
+            keep[:, 0] = True
+            s_logp = s_logp.masked_fill(~keep, float("-inf"))
+            s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
+            logp = torch.empty_like(logp).scatter_(1, s_idx, s_logp)
+        cdf = logp.exp().cumsum_(-1)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+        if n_greedy:
+            tokens = torch.where(greedy, logits.argmax(-1), tokens)
     logprobs = logp.gather(1, tokens[:, None])[:, 0]
     top = None
     if num_top > 0:

@@ -121,10 +121,14 @@ class ArithTask:
 
     def _sample(self, sid: str, nums: list[int], ops: list[str]) -> TaskSample:
         expr = str(nums[0]) + "".join(f"{op}{n}" for op, n in zip(ops, nums[1:]))
-        ask = "Work step by step, then put the answer in \\boxed{}." if self.cfg.scratchpad else "Answer in \\boxed{}."
+        if self.cfg.prompt:  # a short prompt makes every sample cheaper for a tiny model that learns the format
+            question = self.cfg.prompt.replace("{expr}", expr)
+        else:
+            ask = "Work step by step, then put the answer in \\boxed{}." if self.cfg.scratchpad else "Answer in \\boxed{}."
+            question = f"What is {expr}? {ask}"
         return TaskSample(
             id=sid,
-            messages=[{"role": "user", "content": f"What is {expr}? {ask}"}],
+            messages=[{"role": "user", "content": question}],
             answer=str(evaluate(nums, ops)),
             meta={"expr": expr},
         )

@@ -11,6 +11,7 @@ class TaskConfig:
     terms: int = 2  # number of operands
     operators: list[str] = field(default_factory=lambda: ["+"])
     scratchpad: bool = False  # step-by-step solutions (generation-heavy variant; terms then vary in 2..terms)
+    prompt: str = ""  # arith question template with {expr}; "" = "What is {expr}? Answer in \\boxed{}." (or step by step)
     # math_jsonl
     path: str = ""  # .jsonl or .parquet
     question_field: str = "question"

@@ -95,9 +95,9 @@ def test_disconnect_cancels_generation(keyed):
     generated = _metric(m, "inflight_generated_tokens_total") - before
     assert generated < 8 * 480  # cancelled long before max_tokens
     # non-streaming request whose client times out: cancelled too
-    body = {**body, "stream": False}
+    body = {**body, "stream": False, "n": 64}  # ~30k tokens: far more than 0.3 s of work
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(keyed.url + "/v1/chat/completions", json=body, headers=headers, timeout=0.5)
+        httpx.post(keyed.url + "/v1/chat/completions", json=body, headers=headers, timeout=0.3)
     deadline = time.monotonic() + 20
     while _metric(httpx.get(keyed.url + "/metrics", headers=headers).text, "inflight_running_requests") > 0:
         assert time.monotonic() < deadline, "non-streaming generation kept running after the client left"
