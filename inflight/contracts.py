@@ -13,6 +13,7 @@ Also here: the `Sample` that flows from actor to trainer, the packed `TrainBatch
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Protocol, runtime_checkable
 
@@ -66,11 +67,10 @@ class WeightUpdateRequest(_Strict):
         if (self.params is None) == (self.path is None):
             raise ValueError("give exactly one of 'params' (process-group broadcast) or 'path' (safetensors file)")
         if self.params is not None:
-            names = [p.name for p in self.params]
-            dup = {n for n in names if names.count(n) > 1}
+            dup = {n for n, k in Counter(p.name for p in self.params).items() if k > 1}
             if dup:
                 raise ValueError(f"duplicate tensor names: {sorted(dup)}")
-            if not names:
+            if not self.params:
                 raise ValueError("'params' is empty")
         return self
 
