@@ -9,6 +9,12 @@ with `trainer_version` read from the stream (published by the trainer, -1 before
 completed groups into the stream, oldest first. A group that fails (all retries spent) is logged, counted in
 `groups_failed`, and its slot is given back so that a fresh prompt replaces it: the trainer never waits for a group
 that will not come.
+
+Resume (`first_group`, `groups_given_up`, `min_version` from a trainer checkpoint): group k always gets the k-th
+prompt of the task's training order, so the actor skips the first `first_group` prompts and numbers its groups
+from there; the counters the bound reads are rebased on the checkpoint (live groups = groups trained), and nothing
+starts before the trainer publishes the checkpoint's version (the servers hold its weights by then). Without the
+rebase a fresh counter would start (version + max_lag + 1) x groups_per_step groups at once: AReaL's lag overrun.
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ class Actor:
         max_seconds: float = 0.0,  # 0 = no limit
         metrics_sink: MetricsSink | None = None,
         poll_s: float = 0.02,
+        first_group: int = 0,  # resume: index of the first group to start (= prompts already used)
+        groups_given_up: int = 0,  # resume: indices below first_group that were never delivered
+        min_version: int = -1,  # resume: start nothing before the trainer publishes this version
     ):
         if cfg.max_lag < 0 or cfg.groups_per_step < 1 or cfg.group_size < 1:
             raise ValueError("actor needs max_lag >= 0, groups_per_step >= 1, group_size >= 1")
@@ -94,10 +103,14 @@ class Actor:
         self.rollout = rollout
         self.client = RolloutClient(pool, cfg, model)
         self.prompts = task.train_samples(seed)
+        for _ in range(first_group):  # group k <-> prompt k: continue the prompt order where it was
+            next(self.prompts)
+        self.min_version = min_version
         self.max_groups, self.max_seconds = max_groups, max_seconds
         self.metrics_sink = metrics_sink
         self.poll_s = poll_s
-        self.metrics = ActorMetrics()
+        self.metrics = ActorMetrics(groups_started=first_group, groups_failed=groups_given_up,
+                                    groups_completed=first_group - groups_given_up)
         self.start_log: list[tuple[int, int]] = []  # (group index, trainer version when it started)
         self.failures: list[dict[str, Any]] = []
         self.eval_results: list[dict[str, Any]] = []
@@ -188,7 +201,7 @@ class Actor:
                 if eval_task is None or eval_task.done():
                     last_eval = tv
                     eval_task = asyncio.create_task(self._evaluate())
-            while not self._limit_reached() and self.live_groups < self.bound(tv):
+            while tv >= self.min_version and not self._limit_reached() and self.live_groups < self.bound(tv):
                 self._start_group(tv)
             await self._flush()
             if self._limit_reached() and self.metrics.in_flight == 0:

@@ -64,6 +64,7 @@ async def open_actor(
     *,
     rollout: RolloutFn = default_rollout,
     rewards: Any = None,  # a ready reward service; None = build one from the config (and close it after)
+    resume: dict[str, Any] | None = None,  # {"next_group", "skipped", "version"} of a trainer checkpoint
 ) -> AsyncIterator[Actor]:
     from inflight.tasks import get_task
 
@@ -79,8 +80,11 @@ async def open_actor(
     if hasattr(rewards, "start"):  # spawn the verifier workers now, not inside the first score() on the loop
         await asyncio.to_thread(rewards.start)
     try:
+        r = resume or {}
         yield Actor(a, get_task(run_cfg.task), pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
-                    max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink)
+                    max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,
+                    first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])),
+                    min_version=int(r.get("version", -1)))
     finally:
         await pool.aclose()
         if own_rewards:
@@ -94,12 +98,13 @@ def run_actor(
     stop_event: Any = None,  # anything with is_set(): threading / multiprocessing / asyncio Event
     metrics_sink: MetricsSink | None = None,  # called with {"kind": "actor"|"eval", ...}; must be picklable
     rollout: RolloutFn = default_rollout,  # to use it in a spawned process, define it at module level
+    resume: dict[str, Any] | None = None,  # where a resumed run continues (see open_actor)
 ) -> dict[str, Any]:
     """Blocking entry point: run the pipelined actor until stopped or done; returns its final metrics
     (including "actor/groups_failed"; failures are also logged one by one)."""
 
     async def main() -> dict[str, Any]:
-        async with open_actor(run_cfg, server_urls, stream, metrics_sink, rollout=rollout) as actor:
+        async with open_actor(run_cfg, server_urls, stream, metrics_sink, rollout=rollout, resume=resume) as actor:
             final = await actor.run(stop_event)
             final["failures"] = actor.failures
             return final

@@ -13,7 +13,9 @@ class PipelineConfig:
     stream: str = "memory"  # memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"
     checkpoint_every: int = 0  # trainer steps between checkpoints (0 = only the final one)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # step checkpoints kept (the newest); "final" is kept as well
+    restart_servers: bool = False  # restart a dead built-in server (it gets the current weights before requests)
+    weight_sync_retries: int = 3  # failed weight updates retried (weight group formed again) before the trainer stops
     tensorboard: bool = True
     wandb: bool = False  # W&B in offline mode (needs the wandb package)
     # where the roles run (a multi-host launcher fills these in; the roles read nothing else)

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from inflight.config import save_config
+from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.metrics import MetricsLogger, read_metrics
 from inflight.pipeline.procs import Child, ProcessGroup
 from inflight.pipeline.progress import Progress
@@ -48,6 +49,8 @@ def check_config(cfg: Any) -> None:
             import wandb  # noqa: F401
         except ImportError:
             raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
+    if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
+        raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
     if not Path(cfg.model.path).exists():
         raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
 
@@ -67,15 +70,20 @@ def server_urls(cfg: Any) -> list[str]:
     return [f"http://{s.host}:{s.base_port + k}" for k in range(s.num_servers)]
 
 
-def server_command(cfg: Any, k: int) -> list[str]:
+MAX_RESTARTS = 5  # per server and run: a server that keeps dying is a failure, not a fault to ride out
+
+
+def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = False) -> list[str]:
+    """`inflight serve` for server k; `restart`: the same server behind the weight gate (pipeline/restart.py)."""
     s = cfg.server
-    argv = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(cfg.model.path), "--host", s.host,
+    entry = ["-m", "inflight.pipeline.restart"] if restart else ["-m", "inflight.cli", "serve"]
+    argv = [sys.executable, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
             "--port", str(s.base_port + k), "--dtype", s.dtype, "--max-batch", str(s.max_batch),
             "--max-model-len", str(s.max_model_len), "--max-tokens-per-step", str(s.max_tokens_per_step),
             "--threads", str(s.threads)]
     if k < len(cfg.pipeline.server_devices):
         argv += ["--device", "cuda"]
-    if s.engine != "builtin":
+    if s.engine != "builtin" and not restart:
         argv += ["--engine", s.engine]
     if s.api_key:
         argv += ["--api-key", s.api_key]
@@ -87,9 +95,9 @@ def _thread_env(threads: int) -> dict[str, str]:
 
 
 def start_trainer(procs: ProcessGroup, cfg: Any, run_dir: Path, urls: list[str], stream: Any,
-                  env: dict[str, str]) -> Child:
+                  env: dict[str, str], resume_from: Path | None = None) -> Child:
     """One trainer process, or trainer.num_processes FSDP2 ranks (rank 0 is 'trainer'); returns rank 0."""
-    args = (cfg, str(run_dir), urls, stream)
+    args = (cfg, str(run_dir), urls, stream, str(resume_from) if resume_from else None)
     if cfg.trainer.backend != "fsdp2":
         return procs.start_function("trainer", trainer_main, args, env=env)
     import socket
@@ -133,17 +141,56 @@ def _failure_message(child: Child, tail_lines: int) -> str:
             + "".join(f"  | {line}\n" for line in child.tail(tail_lines).splitlines()))
 
 
-def run_pipeline(cfg: Any) -> int:
-    """Run the whole pipeline; returns 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C."""
+def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
+    """The newest complete checkpoint of run_dir, checked against cfg; trainer records after it are moved to
+    metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step)."""
+    import json
+    import os
+
+    if cfg.trainer.backend == "fsdp2":
+        raise ValueError("--resume supports trainer.backend=single only (FSDP2 optimizer state is not saved)")
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    state = ckpt.read_state(path)
+    ckpt.check_compatible(state, cfg)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        keep, gone = [], []
+        for line in metrics.read_text().splitlines(keepends=True):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the crash
+            late = str(r.get("role", "")).startswith("trainer") and (r.get("step") or 0) > state.step
+            (gone if late else keep).append(line)
+        if gone:
+            with open(run_dir / "metrics.rolled_back.jsonl", "a") as f:
+                f.writelines(gone)
+        tmp = metrics.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, metrics)
+    return path, state
+
+
+def run_pipeline(cfg: Any, resume: bool = False) -> int:
+    """Run the whole pipeline; returns 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C.
+    `resume`: continue the run in cfg's run folder from its newest checkpoint (docs/reliability.md)."""
     from inflight.streams import make_stream
 
     check_config(cfg)
     cfg = actor_config_for(cfg)
     run_dir = run_dir_of(cfg)
-    fresh_run_dir(run_dir)
+    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
+    if not resume:
+        fresh_run_dir(run_dir)
     save_config(cfg, run_dir)
     log = MetricsLogger(run_dir, "launcher")
-    log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode)
+    log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode,
+            resumed_from=str(resume_from) if resume_from else None,
+            resumed_step=state.step if state else None)
+    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
+                    if state else None)
     procs = ProcessGroup(run_dir / "logs")
     urls = server_urls(cfg)
     ctx = mp.get_context("spawn")
@@ -161,21 +208,24 @@ def run_pipeline(cfg: Any) -> int:
                 env = _thread_env(cfg.server.threads)
                 if k < len(cfg.pipeline.server_devices):
                     env["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.server_devices[k]
-                servers.append(procs.start_command(f"server{k}", server_command(cfg, k), env=env))
+                servers.append(procs.start_command(f"server{k}", server_command(cfg, k, resume_from), env=env))
         # the trainer loads while the servers do (it waits for /health itself); the actor starts once they answer
         tenv = _thread_env(cfg.trainer.threads)
         if cfg.pipeline.trainer_devices:
             tenv["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.trainer_devices
-        trainer = start_trainer(procs, cfg, run_dir, urls, stream, tenv)
+        trainer = start_trainer(procs, cfg, run_dir, urls, stream, tenv, resume_from)
         wait_healthy(urls, procs.children, cfg.pipeline.startup_timeout_s, cfg.server.api_key)
         log.log("servers_ready", urls=urls)
-        procs.start_function("actor", actor_main, (cfg, str(run_dir), urls, stream), env=_thread_env(1))
+        procs.start_function("actor", actor_main, (cfg, str(run_dir), urls, stream, actor_resume), env=_thread_env(1))
         log.log("roles_started", pids={c.name: c.pid for c in procs.children})
         scraper = ServerScraper(urls, log, cfg.server.api_key)
         next_scrape = 0.0
+        restarts: dict[str, int] = {}
         while True:
             if trainer.poll() == 0:
                 break
+            if cfg.pipeline.restart_servers:
+                restart_dead_servers(cfg, procs, restarts, log)
             failed = next((c for c in procs.children if c.poll() not in (None, 0) or (c.poll() == 0 and not
                            c.name.startswith(("actor", "trainer")))), None)  # the actor may finish first
             if failed is not None:
@@ -212,6 +262,23 @@ def run_pipeline(cfg: Any) -> int:
         path = write_report([run_dir])
         print(f"inflight: run finished; report: {path}")
     return code
+
+
+def restart_dead_servers(cfg: Any, procs: ProcessGroup, restarts: dict[str, int], log: MetricsLogger) -> None:
+    """Start a dead server again behind the weight gate (it serves only once the trainer pushed it the current
+    weights); after MAX_RESTARTS of one server its death fails the run as usual."""
+    for child in list(procs.children):
+        if not child.name.startswith("server") or child.poll() is None or restarts.get(child.name, 0) >= MAX_RESTARTS:
+            continue
+        k = int(child.name[len("server"):])
+        restarts[child.name] = restarts.get(child.name, 0) + 1
+        log.log("server_restart", server=k, exit_code=child.poll(), restarts=restarts[child.name])
+        print(f"inflight: {child.name} exited ({child.poll()}); restarting it", file=sys.stderr)
+        procs.children.remove(child)
+        env = _thread_env(cfg.server.threads)
+        if k < len(cfg.pipeline.server_devices):
+            env["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.server_devices[k]
+        procs.start_command(child.name, server_command(cfg, k, restart=True), env=env)
 
 
 def final_eval(cfg: Any, urls: list[str], log: MetricsLogger) -> None:

@@ -22,10 +22,11 @@ def _setup(cfg: Any, threads: int) -> None:
     torch.manual_seed(cfg.seed)
 
 
-def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) -> None:
+def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, resume_from: str | None = None) -> None:
     """The trainer role: engine + weight sync + TrainerLoop, until a limit (steps, samples, minutes).
     With trainer.backend=fsdp2 this is one rank (RANK / WORLD_SIZE / MASTER_* in the environment); rank 0 alone
-    reads the stream, pushes weights and logs."""
+    reads the stream, pushes weights and logs. `resume_from`: a checkpoint folder to continue from (weights,
+    optimizer, scheduler, RNG, counters; the servers get its weights before the actor starts)."""
     from inflight.pipeline.trainer_loop import TrainerLoop
     from inflight.trainer.single import make_trainer
     from inflight.trainer.weight_sync import WeightSyncClient
@@ -33,8 +34,13 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) ->
     _setup(cfg, cfg.trainer.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     t0 = time.time()
-    engine = make_trainer(cfg.model.path, cfg.trainer)
+    engine = make_trainer(resume_from or cfg.model.path, cfg.trainer)
     engine.init()
+    resume = None
+    if resume_from:
+        from inflight.pipeline.checkpoint import restore_trainer
+
+        resume = restore_trainer(engine, resume_from)
     if world > 1 and rank > 0:
         from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
@@ -42,7 +48,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) ->
         return
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     ref = None
-    if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights
+    if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights (cfg.model.path, also on resume)
         ref = make_trainer(cfg.model.path, cfg.trainer)
         ref.init()
     sync = WeightSyncClient(server_urls, api_key=cfg.server.api_key or None,
@@ -53,21 +59,23 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) ->
 
     wait_healthy(server_urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)  # servers may still load
     sync.init_process_group()
-    log.log("trainer_ready", step=0, init_s=time.time() - t0, pid=os.getpid())
+    log.log("trainer_ready", step=engine.version, init_s=time.time() - t0, pid=os.getpid(),
+            resumed_from=resume_from)
     try:
         if world > 1:
             from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
             DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world).run()
         else:
-            TrainerLoop(cfg, engine, stream, sync, log, run_dir, ref_engine=ref).run()
+            TrainerLoop(cfg, engine, stream, sync, log, run_dir, ref_engine=ref, resume=resume).run()
     finally:
         sync.close()
         log.close()
 
 
-def actor_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) -> None:
-    """The actor role: rollouts through the servers, rewards, groups into the stream, held-out evaluations."""
+def actor_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, resume: dict | None = None) -> None:
+    """The actor role: rollouts through the servers, rewards, groups into the stream, held-out evaluations.
+    `resume`: {"next_group", "skipped", "version"} of the checkpoint the trainer resumes from."""
     from inflight.actor import run_actor
 
     _setup(cfg, 1)
@@ -81,7 +89,7 @@ def actor_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any) -> N
         log.log(kind, step=rec.get("trainer_version"), **{k.replace("actor/", ""): v for k, v in rec.items()})
 
     try:
-        final = run_actor(cfg, server_urls, stream, metrics_sink=sink)
+        final = run_actor(cfg, server_urls, stream, metrics_sink=sink, resume=resume)
         failures = final.pop("failures", [])
         log.log("actor_done", failures=failures[:20], **{k.replace("actor/", ""): v for k, v in final.items()})
     finally:

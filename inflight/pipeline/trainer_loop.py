@@ -11,7 +11,7 @@ the step's token count first.
 
 from __future__ import annotations
 
-import shutil
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +22,7 @@ import torch
 from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import lag_stats, make_loss, merge_stats
 from inflight.contracts import Group, Sample
+from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
 from inflight.pipeline.ordering import StartOrder
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 
@@ -52,7 +53,7 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
 
 class TrainerLoop:
     def __init__(self, cfg: Any, engine: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
-                 ref_engine: Any = None):
+                 ref_engine: Any = None, resume: CheckpointState | None = None):
         self.cfg = cfg
         self.engine = engine
         self.stream = stream
@@ -65,6 +66,13 @@ class TrainerLoop:
         self.started = time.time()
         self.server_version = 0
         self.order = StartOrder(hole_timeout_s=cfg.actor.request_timeout_s * (cfg.actor.retries + 1))
+        self.resumed = resume
+        if resume is not None:  # continue the counters and the start order where the checkpoint left them
+            self.samples_trained = resume.samples_trained
+            self.started = time.time() - resume.elapsed_s
+            self.order.next_index = resume.next_group
+            self.order.skipped = list(resume.skipped_groups)
+            self.order.taken = resume.groups_trained
 
     # -- limits -----------------------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -164,7 +172,7 @@ class TrainerLoop:
         push_s, pause_s = 0.0, None
         if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
             tp = time.time()
-            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+            res = self.push(version)
             push_s = time.time() - tp
             pauses = list((res.get("pause_s") or {}).values())
             pause_s = max(pauses) if pauses else None  # the slowest server's pause
@@ -176,6 +184,7 @@ class TrainerLoop:
             **{k: loss[k] for k in ("loss", "ratio_mean", "ratio_max", "clip_frac", "mask_frac", "ess", "kl",
                                     "entropy")},
             **opt, **lag, **version_mix(data.samples), "lag_hist": lag_hist,
+            "group_indices": sorted({int(s.meta["group_index"]) for s in data.samples if "group_index" in s.meta}),
             "reward_mean": sum(data.rewards) / len(data.rewards),
             "samples": len(data.samples), "samples_total": self.samples_trained,
             "tokens": n_tok, "micro_batches": len(stats),
@@ -187,19 +196,82 @@ class TrainerLoop:
         self.log.log("train_step", step=version, **record)
         return record
 
+    # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
+    def push(self, version: int) -> dict:
+        """Push the current weights as `version` to every server. A failed update is retried after the weight group
+        is formed again with every server (a restarted one joins it); a server that rejects the update itself
+        (4xx other than 409) or `pipeline.weight_sync_retries` failures stop the trainer with the servers'
+        versions in the message. A server applies an update whole or not at all, so each holds one version."""
+        from inflight.pipeline.restart import rejoin_weight_group, server_versions
+        from inflight.trainer.weight_sync import WeightSyncError
+
+        retries = self.cfg.pipeline.weight_sync_retries
+        for attempt in range(retries + 1):
+            try:
+                return self._watched_push(version)
+            except WeightSyncError as exc:
+                permanent = any(code != "409" for code in re.findall(r"\(HTTP (4\d\d)\)", str(exc)))
+                if permanent or attempt == retries:
+                    versions = server_versions(self.sync.urls, self.cfg.server.api_key)
+                    raise RuntimeError(f"weight update to v{version} failed after {attempt + 1} attempt(s); server "
+                                       f"versions now {versions}; last error: {exc}") from exc
+                self.log.log("weight_sync_retry", step=version, attempt=attempt + 1, error=str(exc)[:1000])
+                try:
+                    rejoin_weight_group(self.sync, self.cfg.pipeline.startup_timeout_s, self.cfg.server.api_key)
+                except Exception as rexc:  # counted as this attempt; the next one tries again
+                    self.log.log("weight_sync_retry", step=version, rejoin_error=f"{type(rexc).__name__}: {rexc}")
+        raise AssertionError("unreachable")
+
+    def _watched_push(self, version: int) -> dict:
+        """sync.push in a thread, abandoned when a server's port starts refusing connections: a peer that dies inside
+        a broadcast can leave it blocked until the group timeout. The abandoned op only ends in an error (its peer is
+        gone); the retry forms a new group."""
+        import threading
+
+        from inflight.pipeline.restart import refused
+        from inflight.trainer.weight_sync import WeightSyncError
+
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["res"] = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+            except BaseException as exc:  # handed to the caller's thread
+                box["err"] = exc
+
+        t = threading.Thread(target=target, name=f"push-v{version}", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(1.0)
+            if t.is_alive() and (gone := [u for u in self.sync.urls if refused(u)]):
+                raise WeightSyncError(f"server(s) {gone} went down during the update to v{version}")
+        if "err" in box:
+            raise box["err"]
+        return box["res"]
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> CheckpointState:
+        a = self.cfg.actor
+        return CheckpointState(
+            step=self.engine.version, version=self.engine.version, samples_trained=self.samples_trained,
+            next_group=self.order.next_index, skipped_groups=list(self.order.skipped),
+            server_version=self.server_version, elapsed_s=time.time() - self.started,
+            groups_per_step=a.groups_per_step, group_size=a.group_size, seed=self.cfg.seed)
+
     def checkpoint(self, final: bool = False) -> Path:
-        ckpt_root = self.run_dir / "checkpoints"
-        path = ckpt_root / ("final" if final else f"step_{self.engine.version:06d}")
-        self.engine.save(str(path))
-        keep = self.cfg.pipeline.keep_checkpoints
-        old = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
-        for p in old[: max(0, len(old) - keep)]:
-            shutil.rmtree(p, ignore_errors=True)
-        self.log.log("checkpoint", step=self.engine.version, path=str(path))
+        name = "final" if final else f"step_{self.engine.version:06d}"
+        t0 = time.time()
+        path = save_checkpoint(self.run_dir / "checkpoints", name, self.engine, self.checkpoint_state(),
+                               self.cfg.pipeline.keep_checkpoints)
+        self.log.log("checkpoint", step=self.engine.version, path=str(path), next_group=self.order.next_index,
+                     samples_total=self.samples_trained, seconds=time.time() - t0)
         return path
 
     def run(self) -> None:
-        self.stream.publish_version(0)  # the servers hold the initial weights: the actor may start
+        if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
+            self.push(self.engine.version)
+            self.server_version = self.engine.version
+        self.stream.publish_version(self.server_version)  # the servers hold these weights: the actor may start
         every = self.cfg.pipeline.checkpoint_every
         try:
             while not self.done():
@@ -209,7 +281,7 @@ class TrainerLoop:
         except StopTraining:
             pass
         if self.server_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
-            self.sync.push(self.engine.named_weights(), self.engine.version, self.cfg.pipeline.update_mode)
+            self.push(self.engine.version)
             self.stream.publish_version(self.engine.version)
             self.server_version = self.engine.version
         self.checkpoint(final=True)

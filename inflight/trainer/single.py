@@ -157,6 +157,18 @@ class SingleDeviceTrainer:
         for name, tensor in self._require_init().state_dict().items():
             yield name, tensor.detach()
 
+    def train_state(self) -> dict:
+        """Optimizer and scheduler state (tensors and plain types: torch.load(weights_only=True) reads it)."""
+        self._require_init()
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "version": self.version}
+
+    def load_train_state(self, state: dict) -> None:
+        self._require_init()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])
+
     def save(self, out_dir: str) -> None:
         self._require_init().save_pretrained(out_dir)
         if self.tokenizer is not None:

@@ -1,0 +1,152 @@
+"""Trainer checkpoints: everything a run needs to continue where it was, written atomically.
+
+    runs/<name>/checkpoints/step_000012/
+        config.json, model.safetensors, tokenizer...  the weights, HF format (AutoModelForCausalLM.from_pretrained)
+        train_state.pt      optimizer + scheduler state, RNG states (torch.save; read back with weights_only=True)
+        state.json          step, weight version, samples trained, stream / prompt position (human-readable)
+
+A checkpoint is written to a hidden temporary folder next to its final place and renamed into place, so a crash
+while writing leaves either the previous checkpoint or the new one, never half of one; only folders holding a
+state.json count. The last `keep` step checkpoints are kept (plus "final", written on a clean stop).
+
+Positions. The actor gives group k the k-th prompt of the task's training order, so one number is both the
+data-loader position and the stream position: `next_group`, the start index of the first group not yet trained.
+Groups with a lower index were trained (or given up by the actor: `skipped_groups`); groups from `next_group` on
+(in flight, buffered, or in the stream at the crash) were never trained and are generated again after a resume,
+from the same prompts, with the resumed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_JSON = "state.json"
+TRAIN_STATE = "train_state.pt"
+
+
+@dataclass
+class CheckpointState:
+    step: int  # optimizer steps taken
+    version: int  # weight version (== step for the built-in backends)
+    samples_trained: int
+    next_group: int  # stream / prompt position: the first group index not trained
+    skipped_groups: list[int] = field(default_factory=list)  # indices < next_group the actor gave up on
+    server_version: int = 0  # version the servers held (sync mode may lag the trainer)
+    elapsed_s: float = 0.0  # training time before this checkpoint (max_minutes counts across resumes)
+    groups_per_step: int = 0
+    group_size: int = 0
+    seed: int = 0
+    time: float = field(default_factory=time.time)
+
+    @property
+    def groups_trained(self) -> int:
+        return self.next_group - len(self.skipped_groups)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the trainer may draw from, as plain types and tensors (loadable with weights_only=True)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+
+
+def is_complete(path: Path) -> bool:
+    return (path / STATE_JSON).is_file()
+
+
+def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointState, keep: int = 2) -> Path:
+    """Write checkpoint `root/name` atomically and prune old step checkpoints; returns its path."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    try:
+        engine.save(str(tmp))
+        extra: dict[str, Any] = {"rng": rng_state()}
+        if hasattr(engine, "train_state"):  # optimizer + scheduler (single-device backend)
+            extra.update(engine.train_state())
+        torch.save(extra, tmp / TRAIN_STATE)
+        (tmp / STATE_JSON).write_text(json.dumps(asdict(state), indent=1))
+        old = None
+        if final.exists():  # "final" of an earlier run, or the same step written twice
+            old = root / f".old-{name}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+        tmp.rename(final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune(root, keep)
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    for p in steps[: max(0, len(steps) - max(1, keep))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".tmp-*"):  # left by a crash while writing
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def read_state(path: str | Path) -> CheckpointState:
+    data = json.loads((Path(path) / STATE_JSON).read_text())
+    return CheckpointState(**data)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of `run_dir` with the highest step (a "final" one counts with its step)."""
+    root = Path(run_dir) / "checkpoints"
+    found = [(read_state(p).step, p.name != "final", p) for p in root.glob("*") if p.is_dir() and is_complete(p)]
+    return max(found)[2] if found else None
+
+
+def restore_trainer(engine: Any, path: str | Path) -> CheckpointState:
+    """Optimizer, scheduler, RNG states and version of checkpoint `path` into an engine whose weights were loaded
+    from `path` (make_trainer(path, ...).init()). Returns the checkpoint's state."""
+    state = read_state(path)
+    extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
+    if hasattr(engine, "load_train_state") and "optimizer" in extra:
+        engine.load_train_state(extra)
+    set_rng_state(extra["rng"])
+    engine.version = state.version
+    return state
+
+
+def check_compatible(state: CheckpointState, cfg: Any) -> None:
+    """A resume must keep what the positions mean: groups per step, group size and the prompt order (seed)."""
+    a = cfg.actor
+    diffs = [f"{k}: checkpoint {old} != config {new}" for k, old, new in (
+        ("actor.groups_per_step", state.groups_per_step, a.groups_per_step),
+        ("actor.group_size", state.group_size, a.group_size), ("seed", state.seed, cfg.seed)) if old != new]
+    if diffs:
+        raise ValueError("cannot resume with a different " + "; ".join(diffs))

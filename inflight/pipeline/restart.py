@@ -1,0 +1,129 @@
+"""A dead inference server comes back without stopping the run (`pipeline.restart_servers: true`).
+
+The launcher starts the replacement as `python -m inflight.pipeline.restart <inflight serve arguments>`: the
+built-in server behind a gate that answers 503 on /health and on the generation API until the server has applied
+one weight update. The actor's server pool took the server out of rotation when its connections were refused, and
+its probe (GET /health) puts it back only once the gate opens, so no request ever meets stale weights. The admin
+endpoints (and /metrics) pass the gate: the trainer's next weight update fails on the new server (it is in no weight
+group), the trainer forms the group again with every server (`rejoin_weight_group`) and retries the update; that
+update opens the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+
+OPEN_PATHS = ("/init_process_group", "/request_weight_update", "/check_weight_update", "/metrics")
+
+
+class WeightGate:
+    """ASGI middleware: 503 for everything but the admin endpoints until a weight update returned 200."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.open = False
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self.open:
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path not in OPEN_PATHS:
+            body = json.dumps({"error": {"message": "restarted server waiting for the current weights",
+                                         "type": "unavailable", "code": 503}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+            return None
+
+        async def watch(message: dict) -> None:
+            if (path == "/request_weight_update" and message["type"] == "http.response.start"
+                    and message["status"] == 200):
+                self.open = True
+            await send(message)
+
+        return await self.app(scope, receive, watch)
+
+
+def reachable(url: str, api_key: str = "", timeout_s: float = 2.0) -> bool:
+    """The server process answers HTTP (a gated server's 503 counts: it is up, only not yet serving)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        return httpx.get(url + "/health", timeout=timeout_s, headers=headers).status_code in (200, 503)
+    except httpx.HTTPError:
+        return False
+
+
+def refused(url: str) -> bool:
+    """The server's port refuses connections: its process is gone (a slow answer is not counted)."""
+    try:
+        httpx.get(url + "/health", timeout=2.0)
+        return False
+    except httpx.ConnectError:
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def server_versions(urls: list[str], api_key: str = "") -> dict[str, Any]:
+    """{url: version of its weights, or 'down' / 'waiting for weights'} (for error messages and tests)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    out: dict[str, Any] = {}
+    for url in urls:
+        try:
+            r = httpx.get(url + "/health", timeout=2.0, headers=headers)
+            out[url] = r.json().get("version") if r.status_code == 200 else "waiting for weights"
+        except (httpx.HTTPError, ValueError):
+            out[url] = "down"
+    return out
+
+
+def rejoin_weight_group(sync: Any, timeout_s: float, api_key: str = "") -> None:
+    """Wait until every server answers, then form the weight-update group again on a fresh port (the old store's
+    port is still held; servers that were in the old group replace it with the new one)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(reachable(u, api_key) for u in sync.urls):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"servers not back after {timeout_s:.0f} s: {server_versions(sync.urls, api_key)}")
+        time.sleep(0.5)
+    if sync.transport == "file":
+        return
+    sync.group, sync.store, sync.master_port = None, None, 0
+    sync.init_process_group()
+
+
+def main(argv: list[str]) -> int:
+    """`inflight serve` with the gate (same arguments)."""
+    import argparse
+    import logging
+
+    import uvicorn
+
+    from inflight.engine import serve
+    from inflight.engine.core import InferenceEngine
+    from inflight.engine.server import create_app
+
+    parser = argparse.ArgumentParser(prog="python -m inflight.pipeline.restart")
+    serve.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "engine", "builtin") not in (None, "builtin"):
+        raise SystemExit("restart_servers supports the built-in engine only")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                             max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
+                             threads=args.threads)
+    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
+                     max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                     max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
+    logging.getLogger("inflight.restart").warning("restarted server: waiting for the current weights")
+    uvicorn.run(WeightGate(app), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                backlog=4096, timeout_keep_alive=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
