@@ -144,7 +144,7 @@ class ServerPool:
                 continue
             finally:
                 await self._release(server)
-            if r.status_code >= 500:
+            if r.status_code >= 500 or r.status_code == 429:  # 429: the server's queue is full; back off, retry
                 error = f"{server.url}: HTTP {r.status_code}: {r.text[:200]}"
                 server.errors += 1
                 continue

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
+from inflight.algo.losses import merge_stats
 from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
@@ -76,7 +77,7 @@ class DistributedTrainerLoop(TrainerLoop):
         mine = everything[self.rank::self.world]
         n_seq = sum(len(g) for g in everything)
         acc = StepAccumulator(self.engine, self.loss_fn, self.cfg.trainer.micro_batch_tokens, n_seq, None,
-                              temperature=self.cfg.actor.temperature)
+                              temperature=self.cfg.actor.temperature, merge=merge_stats)
         advs = adv_mod.compute_advantages([[s.reward for s in g] for g in mine], self.cfg.algo) if mine else []
         acc.add([s for g in mine for s in g], [a for adv in advs for a in adv])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step

@@ -181,3 +181,18 @@ def test_groups_that_cannot_complete_are_reported_and_counted():
     assert actor.metrics.groups_failed == 4 and actor.metrics.groups_completed == 0
     assert len(actor.failures) == 4 and all("RequestFailed" in f["error"] for f in actor.failures)
     assert [f["group_index"] for f in actor.failures] == [0, 1, 2, 3] and stream.produced == 0
+
+
+def test_429_queue_full_is_retried_not_fatal():
+    with ScriptedServer(status=429) as a:
+
+        async def main():
+            pool = ServerPool([a.url], retries=2, backoff_s=0.01)
+            try:
+                return await pool.chat(PAYLOAD)
+            finally:
+                await pool.aclose()
+
+        with pytest.raises(RequestFailed, match="3 attempts") as err:
+            asyncio.run(main())
+        assert not isinstance(err.value, BadRequest) and a.calls == 3
