@@ -189,3 +189,35 @@ def test_update_during_long_generation(server, hf, sync, mode):
         assert err_new < 1e-4, (switch, len(got), diffs[:20], [i for i, d in enumerate(diffs) if abs(d) > 1e-4][:20])
     else:  # keep: later tokens attend to KV computed by the old weights, so a fresh forward differs
         assert err_new > 1e-3
+
+
+def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_dir, server, sync):
+    """The trainer contract end to end: a real optimizer step of SingleDeviceTrainer, its named_weights() pushed to
+    the running server; the server's logprobs of a completion equal the trainer's own forward_logprobs (1e-4)."""
+    from inflight.algo import make_loss
+    from inflight.algo.config import AlgoConfig
+    from inflight.contracts import Sample
+    from inflight.trainer.config import TrainerConfig
+    from inflight.trainer.packing import pack_samples
+    from inflight.trainer.single import SingleDeviceTrainer
+
+    trainer = SingleDeviceTrainer(str(tiny_model_dir), TrainerConfig(lr=5e-2, threads=1))
+    trainer.init()
+    before = chat(server.url, temperature=1.0, seed=3)
+    sample = Sample(group_id="g0", prompt_ids=before["prompt_token_ids"], completion_ids=before["token_ids"],
+                    logprobs=server_logprobs(before), versions=before["token_versions"])
+    (batch,) = pack_samples([sample], [1.0], 4096, 1, len(sample.completion_ids))
+    trainer.backward(batch, make_loss(AlgoConfig()))
+    trainer.optimizer_step()
+    trained = trainer.forward_logprobs(batch)[batch.loss_mask > 0].tolist()
+    assert max(abs(a - b) for a, b in zip(trained, sample.logprobs)) > 1e-3  # the step really moved the policy
+
+    sync.push(trainer.named_weights(), version=trainer.version)
+    after = chat(server.url, temperature=1.0, seed=3)
+    assert set(after["token_versions"]) == {trainer.version}
+    s2 = Sample(group_id="g1", prompt_ids=after["prompt_token_ids"], completion_ids=after["token_ids"],
+                logprobs=server_logprobs(after), versions=after["token_versions"])
+    (b2,) = pack_samples([s2], [1.0], 4096, 1, len(s2.completion_ids))
+    mine = trainer.forward_logprobs(b2)[b2.loss_mask > 0].tolist()
+    assert len(mine) == len(s2.logprobs) > 0
+    assert max(abs(a - b) for a, b in zip(mine, s2.logprobs)) < 1e-4, (mine, s2.logprobs)

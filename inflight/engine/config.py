@@ -8,6 +8,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     base_port: int = 8100  # server k listens on base_port + k
     dtype: str = "float32"  # float32 | bfloat16
+    generator_precision: str = "float32"  # float32 | bfloat16 | bfloat16-fp32-head | int8 (built-in engine)
     max_batch: int = 128  # sequences decoded together
     max_model_len: int = 512
     max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)

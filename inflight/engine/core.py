@@ -12,7 +12,11 @@ An aborted choice (abort(), a cancelled consumer, stop()) ends with an event of 
 
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
-carries the version of the weights of the forward that produced it. On the fast path the HF parameters are views
+carries the version of the weights of the forward that produced it.
+
+Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
+full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 weights
+from it in load_weights, inside the same pause, once per update. On the fast path the HF parameters are views
 of fused q/k/v and gate/up matrices: change weights only in place (load_weights), never by rebinding `.data`.
 """
 
@@ -32,7 +36,7 @@ from typing import AsyncIterator, Callable, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inflight.engine import llama_runner
+from inflight.engine import llama_runner, precision
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 from inflight.engine.step import StepPlan
@@ -76,12 +80,14 @@ class _Seq:
 
 class InferenceEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
-                 max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0):
+                 max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
+                 generator_precision: str = "float32"):
         if threads > 0:
             torch.set_num_threads(threads)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
         self.device = torch.device(device)
+        precision.check_precision(generator_precision, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval().requires_grad_(False)
@@ -95,11 +101,14 @@ class InferenceEngine:
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         why_not = llama_runner.supports(self.model)
         if why_not is None:
-            self.runner = llama_runner.LlamaRunner(self.model, max_batch, self.max_model_len)
+            self.runner = llama_runner.LlamaRunner(self.model, max_batch, self.max_model_len, generator_precision)
+        elif generator_precision != "float32":
+            raise ValueError(f"generator_precision {generator_precision!r} needs the fast llama path: {why_not}")
         else:
             log.info("generic HF forward (slower): %s", why_not)
             self.runner = HFRunner(self.model, max_batch, self.max_model_len)
         self.fast_path = why_not is None
+        self.generator_precision = generator_precision
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self.version = 0
         # state owned by the engine thread

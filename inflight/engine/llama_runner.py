@@ -12,6 +12,10 @@ length; prefill chunks attend one sequence at a time with a causal mask offset b
 Measured on CPU, fp32, 1 thread (why it looks like this): at batch 128 the matmuls are ~30% of an unfused step;
 the rest was per-op overhead. Fusions here (rms_norm, rope in place with a signed sin table, k/v written by one
 index_copy_, mask+scale folded into baddbmm, residual folded into addmm) each remove one or more full passes.
+
+Precision (precision.py): the HF parameters stay the master copy; `self.gen` holds the weights the forward
+computes with (the master tensors themselves in float32; bf16 copies or int8-packed matrices otherwise), rebuilt
+from the master once on load and once per weight update (after_weight_update, inside the engine's pause).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from inflight.engine import precision as prec
 from inflight.engine.step import StepPlan
 
 SUPPORTED_TYPES = ("llama", "qwen2")
@@ -60,11 +65,13 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int):
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32"):
         cfg = model.config
         self.model = model
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        prec.check_precision(precision, p.device)
+        self.precision = precision
+        self.device, self.dtype = p.device, prec.compute_dtype(precision, p.dtype)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
@@ -85,15 +92,17 @@ class LlamaRunner:
         # rope table for every position, from the HF module itself (so rope scaling matches exactly);
         # sin carries rotate_half's sign, so rope(x) = x * cos + cat(x2, x1) * sin_signed
         pos = torch.arange(max_model_len, device=self.device)[None]
-        cos, sin = self.inner.rotary_emb(torch.zeros(1, device=self.device, dtype=self.dtype), pos)
+        cos, sin = self.inner.rotary_emb(torch.zeros(1, device=self.device, dtype=p.dtype), pos)
         half = self.head_dim // 2
-        self.cos = cos[0]  # [max_model_len, head_dim]
-        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1)
+        self.cos = cos[0].to(self.dtype)  # [max_model_len, head_dim]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(self.dtype)
         # one tensor for k and v, so one index_copy_ per layer writes both: [layers, 2, slots, kv_heads, len, dim]
         self.max_batch, self.max_len = max_batch, max_model_len
         shape = (len(self.layers), 2, max_batch, self.n_kv, max_model_len, self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_cache, self.v_cache = self.kv[:, 0], self.kv[:, 1]
+        self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
+        self.after_weight_update()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # fused; bit-identical to HF's LlamaRMSNorm in float32
@@ -109,7 +118,11 @@ class LlamaRunner:
         pass  # positions are always rewritten before they are read
 
     def after_weight_update(self) -> None:
-        pass  # the fused tensors are the HF parameters' storage
+        """The fused tensors are the HF parameters' storage; derive the generator's weights from them again."""
+        head = self.model.lm_head
+        self.gen = prec.build(self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight,
+                              head.weight, head.bias)
+        self.weight_builds += 1
 
     def _kv_index(self, plan: StepPlan) -> torch.Tensor:
         """Row of every (token, k|v, kv head) in a layer's cache viewed as [2 * slots * kv_heads * len, dim]."""
@@ -124,7 +137,8 @@ class LlamaRunner:
         n_tok, nd = plan.tokens.shape[0], plan.num_decode
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         rep, half = H // KV, D // 2
-        x = self.inner.embed_tokens.weight[plan.tokens]
+        G = self.gen
+        x = G.embed[plan.tokens]
         cos = self.cos[plan.positions].unsqueeze(1)  # [N, 1, D], shared by all layers
         sin = self.sin[plan.positions].unsqueeze(1)
         kv_rows = self._kv_index(plan)
@@ -132,16 +146,16 @@ class LlamaRunner:
             T = plan.max_decode_len
             first = plan.decode_first_slot
             d_slots = plan.token_slots[:nd]
-            d_mask = torch.zeros(nd, 1, T, dtype=torch.float32, device=self.device)
+            d_mask = torch.zeros(nd, 1, T, dtype=self.dtype, device=self.device)
             d_mask.masked_fill_(torch.arange(T, device=self.device)[None] >= plan.decode_lens[:, None, None], float("-inf"))
             d_mask = d_mask.repeat_interleave(KV, 0)  # [nd * KV, 1, T], broadcast over the rep query heads
         p_masks = []
         for slot, start, c, off in plan.prefills:
             qpos = torch.arange(start, start + c, device=self.device)[:, None]
             p_masks.append(torch.arange(start + c, device=self.device)[None] <= qpos)
-        for li, L in enumerate(self.layers):
+        for li, L in enumerate(G.layers):
             h = self._norm(x, L["ln1"])
-            qkv = F.linear(h, L["w_qkv"], L["b_qkv"])
+            qkv = prec.linear(h, L["w_qkv"], L["b_qkv"])
             qk = qkv[:, : (H + KV) * D].view(n_tok, H + KV, D)  # q and k roped in one go, in place
             rot = torch.cat((qk[..., half:], qk[..., :half]), -1)
             torch.addcmul(qk * cos, rot, sin, out=qk)
@@ -166,16 +180,10 @@ class LlamaRunner:
                 vp = vc[slot, :, : start + c].unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=m, enable_gqa=rep > 1)
                 out[off : off + c] = o[0].transpose(0, 1)
-            x = self._residual(x, out.view(n_tok, H * D), L["wo"], L["bo"])
+            x = prec.residual(x, out.view(n_tok, H * D), L["wo"], L["bo"])
             h = self._norm(x, L["ln2"])
-            gu = F.linear(h, L["w_gu"])
+            gu = prec.linear(h, L["w_gu"])
             g, u = gu.split(L["inter"], dim=-1)
-            x = self._residual(x, F.silu(g).mul_(u), L["wd"], None)
-        x = self._norm(x[plan.out_rows], self.inner.norm.weight)
-        return self.model.lm_head(x).float()
-
-    @staticmethod
-    def _residual(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """x + h @ w.T (+ b) with the add fused into the matmul."""
-        y = torch.addmm(x, h, w.t())
-        return y if b is None else y.add_(b)
+            x = prec.residual(x, F.silu(g).mul_(u), L["wd"], None)
+        x = self._norm(x[plan.out_rows].to(G.head_dtype), G.norm)
+        return F.linear(x, G.head, G.head_bias).float()

@@ -14,6 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--generator-precision", default="float32",
+                   choices=["float32", "bfloat16", "bfloat16-fp32-head", "int8"],
+                   help="what the forward computes with; updates still arrive in --dtype (engine/precision.py)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--max-batch", type=int, default=128, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=512, help="context length (prompt + completion)")
@@ -36,22 +39,30 @@ def run(args: argparse.Namespace) -> int:
         from inflight.engine.vllm_backend.launcher import main as vllm_main, strip_engine_flag
 
         return vllm_main(strip_engine_flag(args.raw_argv))
-    import uvicorn
+    serve_app(build_app(args), args)
+    return 0
 
+
+def build_app(args: argparse.Namespace):
+    """The built-in engine and its FastAPI app, from `inflight serve` arguments."""
     from inflight.engine.core import InferenceEngine
     from inflight.engine.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
-                             threads=args.threads)
-    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
-                     max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                     max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
+                             threads=args.threads, generator_precision=args.generator_precision)
+    return create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
+                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
+
+
+def serve_app(app, args: argparse.Namespace) -> None:
+    import uvicorn
+
     # One worker process: the engine owns the model; a big backlog so 1,000 concurrent clients can connect.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, backlog=4096,
                 timeout_keep_alive=30)
-    return 0
 
 
 class ServerProcess:

@@ -80,7 +80,8 @@ def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = F
     argv = [sys.executable, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
             "--port", str(s.base_port + k), "--dtype", s.dtype, "--max-batch", str(s.max_batch),
             "--max-model-len", str(s.max_model_len), "--max-tokens-per-step", str(s.max_tokens_per_step),
-            "--threads", str(s.threads)]
+            "--threads", str(s.threads), *(["--generator-precision", s.generator_precision] if s.generator_precision
+                                              != "float32" else [])]
     if k < len(cfg.pipeline.server_devices):
         argv += ["--device", "cuda"]
     if s.engine != "builtin" and not restart:

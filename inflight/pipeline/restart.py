@@ -101,27 +101,16 @@ def main(argv: list[str]) -> int:
     import argparse
     import logging
 
-    import uvicorn
-
     from inflight.engine import serve
-    from inflight.engine.core import InferenceEngine
-    from inflight.engine.server import create_app
 
     parser = argparse.ArgumentParser(prog="python -m inflight.pipeline.restart")
     serve.add_arguments(parser)
     args = parser.parse_args(argv)
     if getattr(args, "engine", "builtin") not in (None, "builtin"):
         raise SystemExit("restart_servers supports the built-in engine only")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
-                             max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
-                             threads=args.threads)
-    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
-                     max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                     max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
+    app = serve.build_app(args)
     logging.getLogger("inflight.restart").warning("restarted server: waiting for the current weights")
-    uvicorn.run(WeightGate(app), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                backlog=4096, timeout_keep_alive=30)
+    serve.serve_app(WeightGate(app), args)
     return 0
 
 

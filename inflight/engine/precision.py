@@ -1,0 +1,115 @@
+"""Lower-precision generator: the weights the fast llama forward computes with, derived from the full-precision ones.
+
+The engine keeps the HF model in its load dtype (float32 by default) as the master copy: weight updates arrive and
+are validated in that dtype (the wire format does not change), are copied into it in place, and then `build()`
+derives the generator's weights from it once, inside the same pause. The server's logprobs come from these
+derived weights, so the trainer's importance weights see the generator/trainer mismatch.
+
+Precisions (`generator_precision`):
+- float32: the master weights themselves (no copy).
+- bfloat16: every weight, the activations and the KV cache in bf16.
+- bfloat16-fp32-head: bf16 body; the final norm and the output layer in fp32 (as PipelineRL keeps its last layer).
+- int8: per-output-channel symmetric int8 weights of every block linear (fused qkv, o, fused gate-up, down),
+  run by PyTorch's fbgemm dynamic-quantized linear (activations quantized per tensor on the fly, 7-bit range so the
+  AVX2 u8*s8 pair sums cannot saturate); embedding, norms, attention and the output layer stay fp32. CPU only.
+  Why this kernel: on this AVX2 CPU (1 thread, shapes 256..8192 x 256..1024, batch 32/128) it ran 2.5-8x faster
+  than fp32 F.linear, while the weight-only int8 routes were slower than fp32: torchao Int8WeightOnlyConfig
+  1.1-1.8x slower, int8 weight + dequant + matmul 1.0-1.7x slower, torch._weight_int8pack_mm 30x slower in fp32
+  (1.1-1.3x slower in bf16). Numbers: bench/precision.py (header and output).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+
+PRECISIONS = ("float32", "bfloat16", "bfloat16-fp32-head", "int8")
+
+
+def check_precision(precision: str, device: torch.device | str = "cpu") -> None:
+    """Raises ValueError naming the problem."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"generator_precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    if precision == "int8" and torch.device(device).type != "cpu":
+        raise ValueError("generator_precision int8 runs on CPU only (fbgemm); use bfloat16 on a GPU")
+
+
+def compute_dtype(precision: str, master: torch.dtype) -> torch.dtype:
+    """dtype of the activations and the KV cache."""
+    return torch.bfloat16 if precision.startswith("bfloat16") else master
+
+
+class Int8Linear:
+    """y = x @ w.T + b with w as per-row int8 (fbgemm prepacked) and x quantized per call to 7-bit uint8."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        w = w.detach().float()
+        scale = (w.abs().amax(1) / 127.0).clamp_min(1e-12).double()
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated in favour of torchao, slower here
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None if b is None else b.detach().float())
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+
+
+Weight = Union[torch.Tensor, Int8Linear]
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a plain weight; an Int8Linear carries its own bias."""
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x)
+
+
+def residual(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """x + h @ w.T (+ b); for a plain weight the add is fused into the matmul."""
+    if not isinstance(w, torch.Tensor):
+        return w(h).add_(x)
+    y = torch.addmm(x, h, w.t())
+    return y if b is None else y.add_(b)
+
+
+@dataclass
+class GeneratorWeights:
+    embed: torch.Tensor  # [vocab, hidden] in the compute dtype
+    layers: list[dict]  # same keys as LlamaRunner's master layers
+    norm: torch.Tensor  # final norm weight, in head_dtype
+    head: torch.Tensor  # output layer weight, in head_dtype
+    head_bias: torch.Tensor | None
+    head_dtype: torch.dtype  # dtype the last hidden state is cast to before the final norm
+
+
+_MATRICES = ("w_qkv", "wo", "w_gu", "wd")
+_BIASES = {"w_qkv": "b_qkv", "wo": "bo"}
+
+
+def build(precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.Tensor, head: torch.Tensor,
+          head_bias: torch.Tensor | None) -> GeneratorWeights:
+    """The generator's weights from the master ones (called on load and once after every weight update)."""
+    master = embed.dtype
+    if precision == "float32":  # the master tensors themselves: nothing to refresh, nothing duplicated
+        return GeneratorWeights(embed, layers, norm, head, head_bias, master)
+    if precision == "int8":
+        qlayers = []
+        for L in layers:
+            q = dict(L)
+            for k in _MATRICES:
+                bias = _BIASES.get(k)
+                q[k] = Int8Linear(L[k], L[bias] if bias else None)
+                if bias:
+                    q[bias] = None
+            qlayers.append(q)
+        return GeneratorWeights(embed, qlayers, norm, head, head_bias, master)
+    dt = torch.bfloat16
+    cast = lambda t: None if t is None else t.detach().to(dt)  # noqa: E731
+    blayers = [{k: (cast(v) if isinstance(v, torch.Tensor) else v) for k, v in L.items()} for L in layers]
+    head_dt = torch.float32 if precision == "bfloat16-fp32-head" else dt
+    cast_h = lambda t: None if t is None else t.detach().to(head_dt)  # noqa: E731
+    return GeneratorWeights(cast(embed), blayers, cast_h(norm), cast_h(head), cast_h(head_bias), head_dt)
