@@ -1,12 +1,15 @@
 """Trainer throughput: sequence packing vs padded batches on mixed-length samples (not a test).
 
-    .venv/bin/python bench/trainer.py [--threads 2] [--samples 64] [--budget 2048] [--rounds 2]
+    .venv/bin/python bench/trainer.py [--threads 2] [--samples 64] [--budget 2048] [--rounds 2] [--broadcast 3]
 
 Both sides run the same model, the same REINFORCE loss and forward + backward over the same samples, with the same
 number of micro-batches; padded batches take samples in arrival order and pad each to its longest sample (what a
 plain HF training loop does). tokens/s counts real tokens only (prompt + completion, no padding). Prints one table
 of ratios from one run. Times are this process's CPU time (time.process_time), so other work on a shared machine
 distorts them less than wall time; use --threads 1 there.
+
+`--broadcast N` also pushes the trainer's weights N times to a real `inflight serve` process (WeightSyncClient,
+gloo process group and file transport) and compares bytes/s with a plain in-process memory copy of the same tensors.
 """
 
 from __future__ import annotations
@@ -98,6 +101,37 @@ def run(trainer: SingleDeviceTrainer, samples: list[Sample], budget: int, rounds
             "padded_tok_s": real / t_pad, "speedup": t_pad / t_pack}
 
 
+def broadcast(trainer: SingleDeviceTrainer, model_dir: str, pushes: int) -> None:
+    """Wall seconds per push (announce + transfer + every server's answer) vs one memory copy of the same bytes."""
+    from inflight.engine.serve import ServerProcess
+    from inflight.trainer.weight_sync import WeightSyncClient
+
+    weights = [(n, t.detach().clone()) for n, t in trainer.named_weights()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    t0 = time.perf_counter()
+    for _ in range(pushes):
+        for _, t in weights:
+            t.clone()
+    copy_s = (time.perf_counter() - t0) / pushes
+    print(f"\nweight push: {len(weights)} tensors, {nbytes / 2**20:.1f} MiB; memory copy {copy_s * 1e3:.1f} ms "
+          f"({nbytes / copy_s / 1e9:.2f} GB/s)")
+    print(f"{'transport':<16}{'push s (median)':>16}{'GB/s':>8}{'vs copy':>9}{'server pause s':>16}")
+    with ServerProcess(model_dir, env={"OMP_NUM_THREADS": "1"}) as server:
+        for transport in ("process_group", "file"):
+            client = WeightSyncClient([server.url], transport=transport, timeout_s=120)
+            if transport == "process_group":
+                client.init_process_group()
+            times, pauses = [], []
+            for v in range(pushes):
+                res = client.push(iter(weights), version=v + 1 + (pushes if transport == "file" else 0))
+                times.append(res["seconds"])
+                pauses.extend(res["pause_s"].values())
+            client.close()
+            med = sorted(times)[len(times) // 2]
+            print(f"{transport:<16}{med:>16.3f}{nbytes / med / 1e9:>8.2f}{copy_s / med:>8.2f}x"
+                  f"{sorted(pauses)[len(pauses) // 2]:>16.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -106,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--broadcast", type=int, default=0, help="also time N weight pushes to a real server")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         build_model(Path(d), args.hidden, args.layers)
@@ -120,6 +155,8 @@ def main() -> None:
             r = run(trainer, make_samples(args.samples, dist, 512, seed=0), args.budget, args.rounds)
             print(f"{dist:<10}{r['samples']:>8}{r['real_tokens']:>8}{r['padded_tokens']:>8}{r['micro_batches']:>5}"
                   f"{r['packed_tok_s']:>14.0f}{r['padded_tok_s']:>14.0f}{r['speedup']:>6.2f}x")
+        if args.broadcast:
+            broadcast(trainer, d, args.broadcast)
 
 
 if __name__ == "__main__":
