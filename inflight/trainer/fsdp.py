@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.config import TrainerConfig
-from inflight.trainer.logprobs import packed_logits, token_logprobs
 from inflight.trainer.optim import build_optimizer
-from inflight.trainer.single import batch_to, check_config, load_model, run_loss
+from inflight.trainer.single import SingleDeviceTrainer, load_model
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -40,17 +37,14 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-class FSDP2Trainer:
-    """TrainEngine over all ranks of the default process group. Attributes: model, tokenizer, version, rank,
-    world_size."""
+class FSDP2Trainer(SingleDeviceTrainer):
+    """TrainEngine over all ranks of the default process group: SingleDeviceTrainer's steps on a model sharded with
+    fully_shard (forward, backward, clipping and named_weights work on the sharded tensors; every call is
+    collective). Attributes: model, tokenizer, version, rank, world_size."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig):
-        check_config(cfg)
-        self.model_path = str(model_path)
-        self.cfg = cfg
-        self.version = 0
-        self.model: torch.nn.Module | None = None
-        self.tokenizer = None
+        super().__init__(model_path, cfg)
+        self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
 
     def init(self) -> None:
@@ -86,60 +80,6 @@ class FSDP2Trainer:
         self.model = model
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
-
-    def _require_init(self) -> torch.nn.Module:
-        if self.model is None:
-            raise RuntimeError("call init() first")
-        return self.model
-
-    def _autocast(self):
-        import contextlib
-
-        # FSDP's MixedPrecisionPolicy casts the parameters; autocast keeps the remaining ops consistent.
-        if self.cfg.precision == "bf16-mixed":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    @torch.no_grad()
-    def forward_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        model = self._require_init()
-        was_training = model.training
-        model.eval()
-        try:
-            with self._autocast():
-                logits = packed_logits(model, batch, self.device)
-            lp, _ = token_logprobs(logits, batch)
-        finally:
-            model.train(was_training)
-        return lp.cpu()
-
-    def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        model = self._require_init()
-        model.train()
-        with self._autocast():
-            logits = packed_logits(model, batch, self.device)
-        lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
-        loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
-        loss.backward()
-        return stats
-
-    def optimizer_step(self) -> dict[str, float]:
-        model = self._require_init()
-        lr = self.scheduler.get_last_lr()[0]
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        return {"grad_norm": float(norm), "lr": float(lr)}
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective. (HF name, full tensor) in state_dict order, gathered one parameter at a time (never the whole
-        model in one buffer). Every rank must iterate to the end; ranks > 0 may discard the tensors."""
-        for name, tensor in self._require_init().state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
 
     def save(self, out_dir: str) -> None:
         """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time)."""

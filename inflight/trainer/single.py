@@ -145,6 +145,7 @@ class SingleDeviceTrainer:
         model = self._require_init()
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded (FSDP2)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -153,9 +154,10 @@ class SingleDeviceTrainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) in state_dict order, detached, in the model's dtype (tied weights appear under
-        every name the state_dict lists)."""
+        every name the state_dict lists). A sharded tensor is gathered one parameter at a time (collective)."""
         for name, tensor in self._require_init().state_dict().items():
-            yield name, tensor.detach()
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full.detach()
 
     def train_state(self) -> dict:
         """Optimizer and scheduler state (tensors and plain types: torch.load(weights_only=True) reads it)."""
