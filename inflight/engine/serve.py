@@ -66,10 +66,14 @@ def serve_app(app, args: argparse.Namespace) -> None:
 
 
 class ServerProcess:
-    """`inflight serve` in a subprocess (tests, the pipeline launcher): `.url`, `.stop()`, context manager."""
+    """`inflight serve` in a subprocess (tests, the pipeline launcher): `.url`, `.stop()`, context manager. The server
+    runs in its own session and is stopped as a process group (a backend may start children of its own)."""
+
+    name = "inflight serve"
 
     def __init__(self, model: str, *, port: int = 0, host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, log_path: str | None = None):
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, log_path: str | None = None,
+                 command: list[str] | None = None):
         import subprocess
         import sys
         import tempfile
@@ -82,15 +86,15 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path or tempfile.mktemp(prefix=f"inflight-serve-{self.port}-", suffix=".log")
-        cmd = [sys.executable, "-m", "inflight.cli", "serve", "--model", str(model), "--host", host,
+        cmd = [*(command or [sys.executable, "-m", "inflight.cli", "serve"]), "--model", str(model), "--host", host,
                "--port", str(self.port), *(extra_args or [])]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **(env or {})})
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"inflight serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
@@ -98,7 +102,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"inflight serve not healthy after {startup_timeout_s}s:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.name} not healthy after {startup_timeout_s}s:\n{self.log_tail()}")
             time.sleep(0.2)
 
     def log_tail(self, n: int = 40) -> str:
@@ -106,15 +110,17 @@ class ServerProcess:
         with open(self.log_path) as f:
             return "".join(f.readlines()[-n:])
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
+        import signal
         import subprocess
 
         if self.proc.poll() is None:
-            self.proc.terminate()
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
 
