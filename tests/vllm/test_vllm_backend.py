@@ -169,5 +169,7 @@ def test_update_in_the_middle_of_a_generation(vllm_server, hf_model, vllm_model_
     switch = vers.index(new)
     if mode == "interrupt":
         ref = _reference(hf_model, got["prompt"], got["ids"])
-        bad = [(i, got["lps"][i], ref[i]) for i in range(switch, len(ref)) if abs(got["lps"][i] - ref[i]) >= 1e-4]
+        # vLLM's CPU kernels differ from transformers' by up to ~3e-4 late in a 220-token sequence (seen once at
+        # index 165); a KV cache left from weights perturbed by 0.2 would differ by far more than 2e-3.
+        bad = [(i, got["lps"][i], ref[i]) for i in range(switch, len(ref)) if abs(got["lps"][i] - ref[i]) >= 2e-3]
         assert not bad, f"switch at {switch}, mismatches (index, server, reference): {bad[:5]}"
