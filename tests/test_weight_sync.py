@@ -221,3 +221,17 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
     mine = trainer.forward_logprobs(b2)[b2.loss_mask > 0].tolist()
     assert len(mine) == len(s2.logprobs) > 0
     assert max(abs(a - b) for a, b in zip(mine, s2.logprobs)) < 1e-4, (mine, s2.logprobs)
+
+
+def test_init_process_group_fails_fast_when_a_server_cannot_join(server):
+    """One good server and one address where nothing listens: the call fails at once, naming the dead server,
+    instead of waiting for the group's timeout (60 s here)."""
+    from inflight.trainer.weight_sync import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = WeightSyncClient([server.url, dead], timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=dead.replace(".", r"\.")):
+        client.init_process_group()
+    assert time.monotonic() - t0 < 20
+    client.close()

@@ -25,6 +25,9 @@ class PipelineConfig:
     weight_sync_host: str = "127.0.0.1"  # trainer rank 0's address, as the servers see it
     weight_sync_port: int = 29555  # TCPStore port of the weight-update process group
     # launcher
+    launcher: str = "local"  # local (one host, processes) | ray (the hosts of a Ray cluster, docs/multi-host.md)
+    ray_address: str = ""  # Ray cluster to join: host:port, or "auto"; empty = a running local one, else a new one
+    ray_resources: dict[str, str] = field(default_factory=dict)  # role -> Ray resource that pins it to hosts
     startup_timeout_s: float = 180.0  # wait this long for every server's /health
     scrape_every_s: float = 2.0  # how often the launcher reads each server's /metrics
     progress: bool = True  # live progress line in the terminal

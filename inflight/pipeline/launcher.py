@@ -179,6 +179,12 @@ def run_pipeline(cfg: Any, resume: bool = False) -> int:
     `resume`: continue the run in cfg's run folder from its newest checkpoint (docs/reliability.md)."""
     from inflight.streams import make_stream
 
+    if cfg.pipeline.launcher == "ray":
+        from inflight.pipeline.ray_launcher import run_pipeline_ray
+
+        return run_pipeline_ray(cfg, resume=resume)
+    if cfg.pipeline.launcher != "local":
+        raise ValueError(f"pipeline.launcher must be 'local' or 'ray', got {cfg.pipeline.launcher!r}")
     check_config(cfg)
     cfg = actor_config_for(cfg)
     run_dir = run_dir_of(cfg)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any, Iterable
@@ -29,6 +30,13 @@ log = logging.getLogger("inflight.trainer.weight_sync")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def _run_into(future: cf.Future, fn) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+        future.set_exception(exc)
 
 
 class WeightSyncError(RuntimeError):
@@ -84,17 +92,29 @@ class WeightSyncClient:
             "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1 + i,
             "world_size": self.world_size, "backend": self.backend, "group_name": group_name,
             "timeout_s": self.timeout_s}) for i, url in enumerate(self.urls)]
-        try:
-            if self.backend == "gloo":
-                self.group = ProcessGroupGloo(self.store, 0, self.world_size, timeout)
-            else:
-                from torch.distributed import ProcessGroupNCCL
 
-                opts = ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self.group = ProcessGroupNCCL(self.store, 0, self.world_size, opts)
-        finally:
-            self._collect(posts, "init_process_group")
+        def build() -> Any:
+            if self.backend == "gloo":
+                return ProcessGroupGloo(self.store, 0, self.world_size, timeout)
+            from torch.distributed import ProcessGroupNCCL
+
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return ProcessGroupNCCL(self.store, 0, self.world_size, opts)
+
+        # Build our side on its own thread and watch the servers' answers meanwhile: a server that refuses (or
+        # cannot be reached) fails the call at once instead of after the group's timeout.
+        group: cf.Future = cf.Future()
+        threading.Thread(target=lambda: _run_into(group, build), name="weight-group", daemon=True).start()
+        pending = {group, *posts}
+        while group in pending:
+            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            if any(p in done and p.exception() is not None for p in posts):
+                self._collect([p for p in posts if p.done()], "init_process_group")  # raises, naming the server
+        if group.exception() is not None:
+            self._collect(posts, "init_process_group")  # a server's own error explains it best
+        self.group = group.result()
+        self._collect(posts, "init_process_group")
         log.info("weight group up: %d servers, %s:%d (%s)", len(self.urls), self.master_address, self.master_port,
                  self.backend)
 

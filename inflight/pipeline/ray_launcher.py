@@ -1,0 +1,240 @@
+"""`pipeline.launcher: ray`: the same roles as the local launcher, placed on the hosts of a Ray cluster.
+
+    inference servers  one Ray actor each (CPU/GPU resources), restarted by Ray when they die (max_restarts);
+                       bound to the node IP that Ray reports, admin endpoints guarded by the API key
+    trainer            one Ray actor (max_restarts=0), or trainer.num_processes rank actors in one STRICT_PACK
+                       placement group (FSDP2 rendezvous at rank 0's node IP, as Ray reports it)
+    actor (rollouts)   one Ray actor, anywhere
+    stream             RedisStream (pipeline.stream=redis): every host reaches pipeline.redis_url
+
+`pipeline.ray_resources` pins a role to hosts: {role: resource}, where resource is a custom resource of
+`ray start --resources` or Ray's per-node `node:<ip>`; roles are server0..K-1, trainer, actor. The driver (this
+process, on any host of the cluster) watches the roles, scrapes the servers and writes the report, as the local
+launcher does. See docs/multi-host.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from inflight.config import save_config
+from inflight.pipeline.launcher import (MAX_RESTARTS, RoleFailed, actor_config_for, check_config, final_eval,
+                                        fresh_run_dir, log_start, prepare_resume, run_dir_of)
+from inflight.pipeline.metrics import MetricsLogger
+from inflight.pipeline.progress import Progress
+from inflight.pipeline.scrape import ServerScraper
+
+PIN_AMOUNT = 0.001  # of a pinning resource per role: any number of roles fit on the host that has it
+
+
+def check_ray_config(cfg: Any) -> str:
+    """Ray-specific checks; returns the API key the servers require (server.api_key or env INFLIGHT_API_KEY)."""
+    p = cfg.pipeline
+    if p.stream != "redis":
+        raise ValueError("pipeline.launcher=ray needs pipeline.stream=redis (the actor and the trainer may run on "
+                         "different hosts; set pipeline.redis_url to a Redis every host reaches, docs/multi-host.md)")
+    if p.server_urls:
+        raise ValueError("pipeline.launcher=ray starts the servers itself: leave pipeline.server_urls empty")
+    if cfg.server.engine != "builtin":
+        raise ValueError("pipeline.launcher=ray supports server.engine=builtin only")
+    key = cfg.server.api_key or os.environ.get("INFLIGHT_API_KEY", "")
+    if not key:
+        raise ValueError("pipeline.launcher=ray needs an API key (servers listen on the network): set "
+                         "server.api_key=KEY or the environment variable INFLIGHT_API_KEY")
+    roles = {f"server{k}" for k in range(cfg.server.num_servers)} | {"trainer", "actor"}
+    unknown = set(p.ray_resources) - roles
+    if unknown:
+        raise ValueError(f"pipeline.ray_resources names unknown roles {sorted(unknown)}; roles: {sorted(roles)}")
+    return key
+
+
+def connect(address: str) -> None:
+    """Join the cluster at `address` ('auto' = the one started on this host with `ray start`); empty: a running
+    local cluster if there is one, else a new one inside this process's lifetime."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("pipeline.launcher=ray needs Ray: pip install 'inflight-rl[ray]'") from None
+    ray.init(address=address or None, log_to_driver=False, logging_level="WARNING")
+
+
+def _resources(cfg: Any, role: str) -> dict[str, float]:
+    res = cfg.pipeline.ray_resources.get(role)
+    return {str(res): PIN_AMOUNT} if res else {}
+
+
+def start_servers(cfg: Any, run_dir: str, model: str) -> list[Any]:
+    import ray
+
+    from inflight.pipeline.ray_roles import ServerActor
+
+    out = []
+    for k in range(cfg.server.num_servers):
+        gpus = 1 if k < len(cfg.pipeline.server_devices) else 0  # same rule as the local launcher; Ray picks the GPU
+        cls = ray.remote(ServerActor).options(
+            name=f"{cfg.name}-server{k}", num_cpus=max(1, cfg.server.threads), num_gpus=gpus,
+            resources=_resources(cfg, f"server{k}"), max_restarts=MAX_RESTARTS if cfg.pipeline.restart_servers else 0,
+            max_concurrency=4)
+        out.append(cls.remote(cfg, k, run_dir, model))
+    return out
+
+
+def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_from: str | None
+                  ) -> tuple[list[Any], list[Any], list[str], Any]:
+    """Trainer rank actors, their run() refs and Ray node ids (rank 0 first), and the placement group (None for
+    one rank)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from inflight.pipeline.ray_roles import RoleActor
+
+    n = cfg.trainer.num_processes if cfg.trainer.backend == "fsdp2" else 1
+    cpus, gpus = max(1, cfg.trainer.threads), (1 if cfg.trainer.device.startswith("cuda") else 0)
+    pg, opts = None, [{} for _ in range(n)]
+    if n > 1:
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **_resources(cfg, "trainer")}
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=f"{cfg.name}-trainer")
+        ray.get(pg.ready(), timeout=cfg.pipeline.startup_timeout_s)
+        opts = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)}
+                for r in range(n)]
+    else:
+        opts[0] = {"resources": _resources(cfg, "trainer")}
+    names = ["trainer" if r == 0 else f"trainer-rank{r}" for r in range(n)]
+    actors = [ray.remote(RoleActor).options(name=f"{cfg.name}-{names[r]}", num_cpus=cpus, num_gpus=gpus,
+                                            max_restarts=0, **opts[r]).remote(names[r], run_dir) for r in range(n)]
+    # the servers reach the trainer's weight-update store at the address Ray reports for rank 0's node
+    ip = ray.get(actors[0].node_ip.remote())
+    node_ids = ray.get([a.node_id.remote() for a in actors])  # before run(): an actor runs one call at a time
+    cfg.pipeline.weight_sync_host = ip
+    env = {}
+    if n > 1:
+        env = {"MASTER_ADDR": ip, "MASTER_PORT": str(ray.get(actors[0].free_port.remote())), "WORLD_SIZE": str(n)}
+    args = (cfg, run_dir, urls, stream, resume_from)
+    refs = [a.run.remote("trainer_main", args, {**env, **({"RANK": str(r), "LOCAL_RANK": "0"} if n > 1 else {})})
+            for r, a in enumerate(actors)]
+    return actors, refs, node_ids, pg
+
+
+def _role_error(name: str, exc: BaseException, run_dir: str, tail_lines: int) -> RoleFailed:
+    from collections import deque
+
+    path = os.path.join(run_dir, "logs", f"{name}.log")
+    try:
+        with open(path, errors="replace") as f:
+            tail = "".join(deque(f, maxlen=tail_lines))
+    except FileNotFoundError:
+        tail = "(no log on this host)"
+    first = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+    return RoleFailed(name, f"role '{name}' stopped unexpectedly ({type(exc).__name__}: {first[0][:500]}); "
+                            f"last lines of {path}:\n" + "".join(f"  | {line}\n" for line in tail.splitlines()))
+
+
+def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
+    """`run_pipeline` on a Ray cluster: 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C."""
+    from inflight.streams import make_stream
+
+    check_config(cfg)
+    api_key = check_ray_config(cfg)
+    cfg = actor_config_for(cfg)
+    run_dir = run_dir_of(cfg)
+    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
+    if not resume:
+        fresh_run_dir(run_dir)
+    save_config(cfg, run_dir)
+    cfg.server.api_key = api_key  # after saving: a key from the environment is not written to config.yaml
+    connect(cfg.pipeline.ray_address)
+    import ray
+
+    log = MetricsLogger(run_dir, "launcher")
+    log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode, launcher="ray",
+            resumed_from=str(resume_from) if resume_from else None, resumed_step=state.step if state else None)
+    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
+                    if state else None)
+    stream = make_stream(cfg.pipeline, name=cfg.name, capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
+    if not resume:
+        stream.reset()
+    progress = Progress(cfg, enabled=cfg.pipeline.progress)
+    handles: list[Any] = []
+    pg, code = None, 0
+    try:
+        servers = start_servers(cfg, str(run_dir), str(resume_from or cfg.model.path))
+        handles += servers
+        try:
+            urls = ray.get([s.url.remote() for s in servers], timeout=cfg.pipeline.startup_timeout_s)
+        except Exception as exc:
+            raise RoleFailed("server", f"inference servers did not start: {type(exc).__name__}: {exc}") from exc
+        log.log("servers_ready", urls=urls)
+        trainers, trainer_refs, trainer_nodes, pg = start_trainer(cfg, str(run_dir), urls, stream,
+                                                   str(resume_from) if resume_from else None)
+        handles += trainers
+        from inflight.pipeline.launcher import wait_healthy
+
+        wait_healthy(urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)
+        from inflight.pipeline.ray_roles import RoleActor
+
+        actor = ray.remote(RoleActor).options(name=f"{cfg.name}-actor", num_cpus=1, max_restarts=0,
+                                              resources=_resources(cfg, "actor")).remote("actor", str(run_dir))
+        handles.append(actor)
+        names = ["trainer"] + [f"trainer-rank{r}" for r in range(1, len(trainer_refs))]
+        placement = {**{f"server{k}": n for k, n in enumerate(ray.get([s.node_id.remote() for s in servers]))},
+                     **dict(zip(names, trainer_nodes)), "actor": ray.get(actor.node_id.remote())}
+        actor_ref = actor.run.remote("actor_main", (cfg, str(run_dir), urls, stream, actor_resume), {})
+        log.log("roles_started", launcher="ray", servers=urls, trainer_host=cfg.pipeline.weight_sync_host,
+                ray_nodes=placement)
+        watched = {**dict(zip(names, trainer_refs)), "actor": actor_ref}
+        scraper = ServerScraper(urls, log, cfg.server.api_key)
+        next_scrape = 0.0
+        while True:
+            for name, ref in list(watched.items()):
+                done, _ = ray.wait([ref], timeout=0)
+                if not done:
+                    continue
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # RayActorError (the process died) or the role's own exception
+                    raise _role_error(name, exc, str(run_dir), cfg.pipeline.log_tail_lines) from None
+                del watched[name]  # the actor and ranks > 0 may finish first
+            if "trainer" not in watched:
+                break
+            if time.time() >= next_scrape:
+                next_scrape = time.time() + cfg.pipeline.scrape_every_s
+                progress.servers(scraper.scrape())
+            progress.update(run_dir)
+            time.sleep(0.2)
+        progress.servers(scraper.scrape())
+        final_eval(cfg, urls, log)
+        progress.update(run_dir)
+        log.log("run_done", elapsed_s=time.time() - log_start(run_dir))
+    except RoleFailed as exc:
+        progress.close()
+        print(f"\ninflight: {exc}", file=sys.stderr)
+        log.log("role_failed", failed_role=exc.role, message=str(exc)[:2000])
+        code = 1
+    except KeyboardInterrupt:
+        progress.close()
+        print("\ninflight: interrupted; stopping every role", file=sys.stderr)
+        log.log("interrupted")
+        code = 130
+    finally:
+        progress.close()
+        stream.close()
+        for h in handles:
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:
+                pass
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+        ray.shutdown()  # disconnects from a running cluster; stops one this process started
+        log.close()
+    if code == 0:
+        from inflight.pipeline.report import write_report
+
+        print(f"inflight: run finished; report: {write_report([run_dir])}")
+    return code
