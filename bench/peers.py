@@ -1,0 +1,274 @@
+"""inflight against the RL tool people use today, on this machine, in one invocation: TRL's `GRPOTrainer` (own venv
+under .cache/peers/trl, never a dependency of inflight) vs `inflight train` pipelined (configs/cpu-demo.yaml) and
+sync (configs/cpu-sync.yaml), same warm-started tiny model, arith task, verifier, 16 prompts x 8 samples per step,
+lr 3e-4, 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians and the
+spread (min-max) over the repeats.
+
+    .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
+    .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
+
+Per run: samples/s (samples trained between the first and the last optimizer step / the time between them),
+seconds and samples to the first held-out evaluation >= --target (clock from the moment generation can start:
+inflight's `roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached,
+and the share of the machine's matmul peak: FLOPs the run needed (8 N (P + C) per sample: 2 N per token to
+generate, 6 N to train, N = parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s
+measured here on all cores (1024^3 fp32, best of 5, before and after).
+
+Evaluation: inflight evaluates every 10 steps through its servers (greedy, 200 held-out problems), TRL every 10
+steps with HF `generate` (greedy, the same 200, bench/peers/arith_eval.py; its time is left out of TRL's clock).
+To check the two agree, inflight's final checkpoint is evaluated again with the HF function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".cache" / "peers"
+TRL_PY = CACHE / "trl" / "bin" / "python"
+PY = sys.executable
+HERE = Path(__file__).resolve().parent / "peers"
+sys.path.insert(0, str(HERE))
+
+
+# ---- setup ----------------------------------------------------------------------------------------------------
+
+def sh(cmd: list[str], **kw) -> None:
+    print("$", shlex.join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO, **kw)
+
+
+def setup_trl() -> None:
+    """TRL in its own venv on the local CPU torch wheel (any other torch would download a CUDA build)."""
+    if TRL_PY.exists():
+        return
+    import torch
+    import transformers
+
+    sh(["python3", "-m", "venv", str(CACHE / "trl")])
+    pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
+    sh(pip + [f"torch=={torch.__version__.split('+')[0]}"])
+    sh(pip + ["trl", f"transformers=={transformers.__version__}", "pydantic",
+              f"torch=={torch.__version__.split('+')[0]}"])
+
+
+def setup_model(model: Path) -> None:
+    """The demo's warm start: a random tiny model, SFT to 30% held-out greedy accuracy on the short prompt."""
+    if (model / "config.json").exists():
+        return
+    base = model.parent / (model.name + "-base")
+    inflight = str(Path(PY).parent / "inflight")
+    if not (base / "config.json").exists():
+        sh([inflight, "make-model", "--task", "arith", str(base)])
+    sh([inflight, "sft", "--task", "arith", "--model", str(base), "--out", str(model), "--wrong-frac", "0",
+        "--target-acc", "0.3", "--micro-batch-tokens", "4096", "trainer.threads=1", 'task.prompt="{expr}="'])
+
+
+# ---- machine --------------------------------------------------------------------------------------------------
+
+def mm_peak(threads: int, n: int = 1024, reps: int = 5) -> float:
+    """Best FLOP/s of an n^3 fp32 torch.mm on `threads` threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    torch.set_num_threads(old)
+    return best
+
+
+def machine() -> str:
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    trl = subprocess.run([str(TRL_PY), "-c", "import trl, torch, transformers; print(trl.__version__, "
+                          "torch.__version__, transformers.__version__)"], capture_output=True, text=True).stdout
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    return (f"machine: {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; python "
+            f"{platform.python_version()}; inflight venv: torch {torch.__version__}, transformers "
+            f"{transformers.__version__}; TRL venv (trl torch transformers): {trl.strip() or 'absent'}; "
+            f"inflight commit {commit.strip()} (+ working tree)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- runs -----------------------------------------------------------------------------------------------------
+
+def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
+                 run_dir: Path) -> dict:
+    config = {"pipelined": "configs/cpu-demo.yaml", "sync": "configs/cpu-sync.yaml"}[mode]
+    name = f"peers-{mode}-{tag}"
+    cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
+           f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
+           'task.prompt="{expr}="', f"actor.eval_every={eval_every}", "pipeline.progress=false",
+           "pipeline.tensorboard=false",
+           f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}"]
+    sh(cmd, stdout=subprocess.DEVNULL)
+    recs = [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
+    t0 = next(r["time"] for r in recs if r.get("event") == "roles_started")
+    steps = [(r["time"] - t0, r["samples_total"], r["tokens"] / max(1, r["samples"]))
+             for r in recs if r.get("event") == "train_step"]
+    evals = []
+    for r in recs:
+        if r.get("event") == "eval" and r.get("accuracy") is not None:
+            done = [s for t, s, _ in steps if t <= r["time"] - t0]
+            evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
+    hf = subprocess.run([PY, str(HERE / "arith_eval.py"), str(run_dir / name / "checkpoints" / "final")],
+                        capture_output=True, text=True)
+    final_hf = float(hf.stdout.split()[-1]) if hf.returncode == 0 and hf.stdout.split() else None
+    return {"steps": steps, "evals": evals, "final_hf": final_hf, "cmd": shlex.join(cmd)}
+
+
+def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
+            threads: int) -> dict:
+    out = run_dir / f"peers-trl-{tag}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
+           str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every)]
+    sh(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads),
+                                                                        "TOKENIZERS_PARALLELISM": "false"})
+    recs = [json.loads(line) for line in open(out)]
+    lens = [r["mean_length"] for r in recs if r["event"] == "log" and r.get("mean_length")]
+    clen = statistics.mean(lens) if lens else 12.0
+    steps = [(r["time"], r["samples"], clen) for r in recs if r["event"] == "step"]
+    evals = [(r["time"], r["samples"], r["accuracy"]) for r in recs if r["event"] == "eval"]
+    return {"steps": steps, "evals": evals, "final_hf": evals[-1][2] if evals else None, "cmd": shlex.join(cmd)}
+
+
+def summarise(run: dict, target: float, flops_per_token: float, prompt_len: float, peak: float) -> dict:
+    steps, evals = run["steps"], run["evals"]
+    (t_a, s_a, _), (t_b, s_b, _) = steps[0], steps[-1]
+    rate = (s_b - s_a) / max(t_b - t_a, 1e-9)
+    clen = statistics.mean(c for _, _, c in steps)
+    hit = next(((t, s) for t, s, a in evals if a >= target), None)
+    return {"samples_per_s": rate, "samples": s_b, "wall_s": t_b, "to_target_s": hit[0] if hit else None,
+            "to_target_samples": hit[1] if hit else None, "first_acc": evals[0][2] if evals else None,
+            "best_acc": max(a for _, _, a in evals) if evals else None, "final_hf": run["final_hf"],
+            "mfu": rate * flops_per_token * (prompt_len + clen) / peak, "evals": evals}
+
+
+def acc_at(evals: list, samples: float) -> float | None:
+    """The last evaluation taken at or before `samples` trained samples."""
+    done = [a for _, s, a in evals if s <= samples]
+    return done[-1] if done else None
+
+
+def fmt(vals: list, spec: str, scale: float = 1.0) -> str:
+    vals = [v * scale for v in vals if v is not None]
+    if not vals:
+        return "not reached"
+    med = statistics.median(vals)
+    return f"{med:{spec}}" + (f" ({min(vals):{spec}}-{max(vals):{spec}})" if len(vals) > 1 else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=CACHE / "models" / "warm")
+    ap.add_argument("--minutes", type=float, default=3.0, help="training wall minutes per run")
+    ap.add_argument("--max-steps", type=int, default=0, help="also stop each run after this many steps (0 = none)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--systems", default="trl,pipelined,sync")
+    ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy to reach")
+    ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps between held-out evaluations")
+    ap.add_argument("--trl-threads", type=int, default=1,
+                    help="torch threads of TRL's one process (inflight: 1 per server + 1 trainer); on a shared, "
+                         "oversubscribed machine 2 threads made TRL 16x slower (OpenMP barriers)")
+    ap.add_argument("--run-dir", type=Path, default=CACHE / "runs")
+    ap.add_argument("--setup", action="store_true", help="build the TRL venv and the warm model if missing, then exit")
+    args = ap.parse_args()
+    if args.setup:
+        setup_trl()
+        setup_model(args.model)
+        return
+    systems = args.systems.split(",")
+    if "trl" in systems and not TRL_PY.exists():
+        sys.exit(f"TRL venv missing at {TRL_PY}: run `{PY} bench/peers.py --setup` first")
+    if not (args.model / "config.json").exists():
+        sys.exit(f"model {args.model} missing: run `{PY} bench/peers.py --setup` first")
+    print(machine())
+    print("command:", shlex.join([Path(PY).name, *sys.argv]), flush=True)
+
+    from arith_eval import arith_task
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, task = AutoTokenizer.from_pretrained(args.model), arith_task()
+    prompt_len = statistics.mean(len(tok.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=False)) for s in task.eval_samples())
+    from safetensors import safe_open
+
+    with safe_open(str(args.model / "model.safetensors"), "pt") as f:
+        n_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())  # tied: the lm_head counted once
+    AutoConfig.from_pretrained(args.model)  # fails early on a broken folder
+    peaks = [mm_peak(os.cpu_count() or 1)]
+    max_steps = args.max_steps or 1_000_000
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    cmds = {}
+    for r in range(args.repeats):
+        for system in systems:  # A B C A B C: every system sees the same drift of the machine's load
+            tag = f"r{r}"
+            res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, args.trl_threads)
+                   if system == "trl" else
+                   run_inflight(system, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir))
+            cmds[system] = res["cmd"]
+            runs[system].append(res)
+            print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",
+                  flush=True)
+    peaks.append(mm_peak(os.cpu_count() or 1))
+    peak = statistics.median(peaks)
+    per_token = 8.0 * n_params
+    table = {s: [summarise(x, args.target, per_token, prompt_len, peak) for x in runs[s]] for s in systems}
+    common = min(x["samples"] for rs in table.values() for x in rs)
+    print(f"\nparameters {n_params:,}; mean prompt {prompt_len:.1f} tokens; torch.mm peak "
+          f"{peak / 1e9:.1f} GFLOP/s (runs: {', '.join(f'{p / 1e9:.1f}' for p in peaks)}); target accuracy "
+          f"{args.target:.0%}; {args.repeats} repeat(s) x {args.minutes} min; median (min-max)")
+    head = ["system", "samples/s", "vs TRL", "samples trained", f"s to {args.target:.0%}",
+            f"samples to {args.target:.0%}", "acc at start", f"acc at {common} samples", "best acc",
+            "final acc (HF eval)", "matmul peak share"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    trl_rate = statistics.median(x["samples_per_s"] for x in table["trl"]) if "trl" in table else None
+    for s, rs in table.items():
+        rate = [x["samples_per_s"] for x in rs]
+        ratio = fmt([v / trl_rate for v in rate], ".2f") + "x" if trl_rate else "-"
+        cells = [s, fmt(rate, ".1f"), ratio, fmt([x["samples"] for x in rs], ".0f"),
+                 fmt([x["to_target_s"] for x in rs], ".0f"), fmt([x["to_target_samples"] for x in rs], ".0f"),
+                 fmt([x["first_acc"] for x in rs], ".1f", 100), fmt([acc_at(x["evals"], common) for x in rs], ".1f",
+                                                                    100),
+                 fmt([x["best_acc"] for x in rs], ".1f", 100), fmt([x["final_hf"] for x in rs], ".1f", 100),
+                 fmt([x["mfu"] for x in rs], ".2f", 100) + "%"]
+        print("| " + " | ".join(cells) + " |")
+    print("\ncommands:")
+    for s, c in cmds.items():
+        print(f"  {s}: {c}")
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+if __name__ == "__main__":
+    main()
