@@ -225,13 +225,14 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
 
 def test_init_process_group_fails_fast_when_a_server_cannot_join(server):
     """One good server and one address where nothing listens: the call fails at once, naming the dead server,
-    instead of waiting for the group's timeout (60 s here)."""
+    instead of waiting for the group's timeout (10 s here); close() then waits for the abandoned set-up to end."""
     from inflight.trainer.weight_sync import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
-    client = WeightSyncClient([server.url, dead], timeout_s=60)
+    client = WeightSyncClient([server.url, dead], timeout_s=10)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match=dead.replace(".", r"\.")):
         client.init_process_group()
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 5
     client.close()
+    assert not client._group_thread.is_alive()  # nothing left blocked in gloo when the process exits

@@ -71,6 +71,7 @@ class WeightSyncClient:
         self.pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="weight-sync")
         self.store: Any = None
         self.group: Any = None
+        self._group_thread: threading.Thread | None = None
 
     @property
     def world_size(self) -> int:
@@ -105,7 +106,9 @@ class WeightSyncClient:
         # Build our side on its own thread and watch the servers' answers meanwhile: a server that refuses (or
         # cannot be reached) fails the call at once instead of after the group's timeout.
         group: cf.Future = cf.Future()
-        threading.Thread(target=lambda: _run_into(group, build), name="weight-group", daemon=True).start()
+        self._group_thread = threading.Thread(target=lambda: _run_into(group, build), name="weight-group",
+                                              daemon=True)
+        self._group_thread.start()  # after a fast failure it ends at the group timeout; close() waits for it
         pending = {group, *posts}
         while group in pending:
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -208,6 +211,8 @@ class WeightSyncClient:
         return answers
 
     def close(self) -> None:
+        if self._group_thread is not None:  # a set-up abandoned on a fast failure: no thread outlives the client
+            self._group_thread.join(timeout=self.timeout_s + 5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
         self.group = None
