@@ -100,7 +100,8 @@ def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     trl = subprocess.run([str(TRL_PY), "-c", "import trl, torch, transformers; print(trl.__version__, "
-                          "torch.__version__, transformers.__version__)"], capture_output=True, text=True).stdout
+                          "torch.__version__, transformers.__version__)"], capture_output=True,
+                         text=True).stdout if TRL_PY.exists() else ""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     return (f"machine: {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; python "
             f"{platform.python_version()}; inflight venv: torch {torch.__version__}, transformers "
