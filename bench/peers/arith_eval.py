@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from inflight.contracts import Verdict  # noqa: E402
 from inflight.tasks import TaskConfig, get_task  # noqa: E402
+from inflight.tasks.greedy import greedy_accuracy as _greedy  # noqa: E402
 
 PROMPT = "{expr}="  # the short prompt the warm start and every compared run use
 
@@ -22,29 +22,8 @@ def arith_task(eval_size: int = 200):
 
 
 def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 12, batch_size: int = 200) -> float:
-    import torch
-
-    samples = task.eval_samples()
-    was_training = model.training
-    model.eval()
-    correct = 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(samples), batch_size):
-                chunk = samples[start : start + batch_size]
-                texts = [tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
-                         for s in chunk]
-                enc = tokenizer(texts, add_special_tokens=False, padding=True, padding_side="left",
-                                return_tensors="pt").to(model.device)
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-                for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
-                    finish = "stop" if tokenizer.eos_token_id in ids else "length"
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    correct += task.verify(text, s, finish).label == Verdict.correct
-    finally:
-        model.train(was_training)
-    return correct / max(1, len(samples))
+    """The task's held-out split, scored the same way for every system (inflight's own helper)."""
+    return _greedy(model, tokenizer, task, task.eval_samples(), max_new_tokens, batch_size)
 
 
 def main() -> None:

@@ -23,9 +23,10 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from inflight.contracts import Sample, TaskSample, TrainBatch, Verdict
+from inflight.contracts import Sample, TaskSample, TrainBatch
 from inflight.tasks import get_task
 from inflight.tasks.config import TaskConfig
+from inflight.tasks.greedy import greedy_accuracy
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 
@@ -57,32 +58,6 @@ def sft_sample(tokenizer: Any, sample: TaskSample, target: str) -> Sample:
 
 
 @torch.no_grad()
-def greedy_accuracy(
-    model: torch.nn.Module, tokenizer: Any, task: Any, samples: list[TaskSample], max_new_tokens: int = 16,
-    batch_size: int = 256,
-) -> float:
-    """Share of `samples` whose greedy completion (HF generate, left-padded batches) the task labels correct."""
-    was_training = model.training
-    model.eval()
-    correct = 0
-    try:
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start : start + batch_size]
-            prompts = [tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
-                       for s in chunk]
-            enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left",
-                            return_tensors="pt").to(model.device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
-                finish = "stop" if tokenizer.eos_token_id in ids else "length"
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                correct += task.verify(text, s, finish).label == Verdict.correct
-    finally:
-        model.train(was_training)
-    return correct / max(1, len(samples))
-
-
 def warm_start(
     model_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, trainer_cfg: TrainerConfig,
     wrong_frac: float = 0.3, max_steps: int = 2000, target_acc: float = 0.3, batch_size: int = 128,
