@@ -12,6 +12,8 @@ from inflight.contracts import TaskSample, Verdict
 def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSample], max_new_tokens: int = 16,
                     batch_size: int = 256) -> float:
     """Share of `samples` whose greedy completion the task labels correct."""
+    import torch
+
     was_training = model.training
     model.eval()
     correct = 0
@@ -22,8 +24,9 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSam
                        for s in chunk]
             enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left",
                             return_tensors="pt").to(model.device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
                 finish = "stop" if tokenizer.eos_token_id in ids else "length"
                 text = tokenizer.decode(ids, skip_special_tokens=True)

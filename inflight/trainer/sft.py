@@ -57,7 +57,6 @@ def sft_sample(tokenizer: Any, sample: TaskSample, target: str) -> Sample:
                   logprobs=[], versions=[], reward=1.0, task_id=sample.id)
 
 
-@torch.no_grad()
 def warm_start(
     model_dir: str | Path, out_dir: str | Path, task_cfg: TaskConfig, trainer_cfg: TrainerConfig,
     wrong_frac: float = 0.3, max_steps: int = 2000, target_acc: float = 0.3, batch_size: int = 128,
