@@ -16,7 +16,7 @@ from tests.reliability.pipeline_helpers import base_overrides, latest_step, laun
 
 pytestmark = pytest.mark.slow
 
-STEPS, GPS, G, MAX_LAG = 12, 2, 4, 1
+STEPS, GPS, G, MAX_LAG = 40, 2, 4, 1  # enough steps that the stall comes well before the actor's last group
 
 
 def health(url: str) -> tuple[int | None, int | None]:
@@ -78,6 +78,8 @@ def test_server_restart_and_trainer_stall(tiny_model_dir, tmp_path):
         try:
             time.sleep(1.0)
             version = latest_step(run)  # the trainer's version can no longer change
+            # the run's last group must lie beyond the bound, or the actor simply finishes and stops reporting
+            assert (version + MAX_LAG + 1) * GPS < STEPS * GPS, f"stalled too late (step {version} of {STEPS})"
             samples = []
             t_end = time.time() + 4.0
             while time.time() < t_end:
