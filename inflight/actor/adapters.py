@@ -96,7 +96,18 @@ def parse_vllm(resp: dict[str, Any]) -> list[Completion]:
     return out
 
 
-ADAPTERS: dict[str, Callable[[dict[str, Any]], list[Completion]]] = {"builtin": parse_builtin, "vllm": parse_vllm}
+def parse_sglang(resp: dict[str, Any]) -> list[Completion]:
+    """SGLang (0.5.x) with return_token_ids: token_ids and prompt_token_ids per choice (vLLM's shape); the weight
+    version, when the server reports one, is the choice's meta_info.weight_version (else -1)."""
+    choices = []
+    for ch in resp.get("choices", []):
+        v = (ch.get("meta_info") or {}).get("weight_version")
+        choices.append({**ch, "weight_version": int(v) if str(v).lstrip("-").isdigit() else -1})
+    return parse_vllm({**resp, "choices": choices})
+
+
+ADAPTERS: dict[str, Callable[[dict[str, Any]], list[Completion]]] = {
+    "builtin": parse_builtin, "vllm": parse_vllm, "sglang": parse_sglang}
 
 
 def get_adapter(name: str) -> Callable[[dict[str, Any]], list[Completion]]:

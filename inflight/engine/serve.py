@@ -9,8 +9,9 @@ import os
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="folder of an HF causal LM (AutoModelForCausalLM)")
-    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
-                   help="builtin, or vllm (run from vLLM's environment; other options go to vLLM; docs/backends.md)")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm", "sglang"],
+                   help="builtin, vllm or sglang (run from that engine's environment; other options go to the "
+                        "engine; docs/backends.md)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         from inflight.engine.vllm_backend.launcher import main as vllm_main, strip_engine_flag
 
         return vllm_main(strip_engine_flag(args.raw_argv))
+    if args.engine == "sglang":
+        from inflight.engine.sglang_backend.launcher import main as sglang_main, strip_engine_flag as strip
+
+        return sglang_main(strip(args.raw_argv))
     serve_app(build_app(args), args)
     return 0
 

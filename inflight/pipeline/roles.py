@@ -29,7 +29,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     optimizer, scheduler, RNG, counters; the servers get its weights before the actor starts)."""
     from inflight.pipeline.trainer_loop import TrainerLoop
     from inflight.trainer.single import make_trainer
-    from inflight.trainer.weight_sync import WeightSyncClient
+    from inflight.trainer.protocols import make_weight_sync
 
     _setup(cfg, cfg.trainer.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -51,10 +51,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights (cfg.model.path, also on resume)
         ref = make_trainer(cfg.model.path, cfg.trainer)
         ref.init()
-    sync = WeightSyncClient(server_urls, api_key=cfg.server.api_key or None,
-                            master_address=cfg.pipeline.weight_sync_host, master_port=cfg.pipeline.weight_sync_port,
-                            backend="nccl" if cfg.trainer.device.startswith("cuda") else "gloo",
-                            transport=cfg.trainer.weight_transport, dtype=cfg.server.dtype)
+    sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     from inflight.pipeline.launcher import wait_healthy
 
     wait_healthy(server_urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)  # servers may still load

@@ -1,0 +1,1 @@
+"""`inflight serve --engine sglang`: a stock SGLang server started with the flags inflight needs (launcher.py)."""

@@ -1,0 +1,204 @@
+"""What the stock-server weight clients share: JSON posts to every server with errors that name the server, and the
+trainer's side of a weight group (rank 0 hosts the TCPStore; the servers join as ranks 1..).
+
+The group uses the store layout of `torch.distributed`'s own group construction (keys under `<group_name>/<device>/`),
+which is what SGLang's receivers build with; vLLM's NCCL receivers need vLLM's own communicator (vllm.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import threading
+from typing import Any, Callable
+
+import httpx
+import torch
+
+from inflight.trainer.weight_sync import DTYPE_NAMES, DTYPES, WeightSyncError, free_port
+
+
+class Broadcaster:
+    """Rank 0 of a weight group: `send(tensor)` broadcasts one tensor to every other rank."""
+
+    def send(self, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TorchGroup(Broadcaster):
+    """A gloo or NCCL process group whose store keys match `torch.distributed`'s `_new_process_group_helper`."""
+
+    def __init__(self, store: Any, world_size: int, backend: str, group_name: str, timeout: datetime.timedelta):
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        device = "cpu" if backend == "gloo" else "cuda"
+        prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", store))
+        if backend == "gloo":
+            self.pg = ProcessGroupGloo(prefixed, 0, world_size, timeout)
+        else:
+            from torch.distributed import ProcessGroupNCCL
+
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = ProcessGroupNCCL(prefixed, 0, world_size, opts)
+
+    def send(self, tensor: torch.Tensor) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        self.pg = None
+
+
+class ProtocolClient:
+    """HTTP plumbing and the push skeleton of a stock-server client; subclasses supply the routes."""
+
+    protocol = "?"
+
+    def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int = 0, backend: str = "gloo", timeout_s: float = 600.0, dtype: str | None = None):
+        if not server_urls:
+            raise ValueError("no server urls")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
+        self.urls = [u.rstrip("/") for u in server_urls]
+        self.master_address, self.master_port = master_address, master_port
+        self.backend, self.timeout_s = backend, timeout_s
+        self.dtype = DTYPES[dtype] if dtype else None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.pool = cf.ThreadPoolExecutor(max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="weight-sync")
+        self.ranks = [1] * len(self.urls)  # receiving ranks per server (tensor parallel size), set by init
+        self.group: Broadcaster | None = None
+        self.store: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.ranks)
+
+    def rank_offsets(self) -> list[int]:
+        out, r = [], 1
+        for n in self.ranks:
+            out.append(r)
+            r += n
+        return out
+
+    # ---- HTTP ---------------------------------------------------------------------------------------------------
+    def request(self, url: str, method: str, path: str, body: dict | None = None,
+                params: dict | None = None) -> dict:
+        try:
+            r = self.http.request(method, url + path, json=body, params=params)
+        except httpx.TimeoutException as e:
+            raise WeightSyncError(f"server {url}: {path} timed out after {self.timeout_s:.0f}s") from e
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"server {url}: {path} failed: {e}") from e
+        try:
+            data = r.json() if r.content else {}
+        except ValueError:
+            data = {"message": r.text[:500]}
+        if r.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
+            raise WeightSyncError(f"server {url} rejected {path} (HTTP {r.status_code}): {error_text(data)}")
+        return data if isinstance(data, dict) else {"value": data}
+
+    def post_all(self, path: str, body: dict | Callable[[int], dict] | None = None,
+                 params: dict | None = None) -> list[dict]:
+        """POST to every server concurrently; `body` may depend on the server's index."""
+        futures = [self.pool.submit(self.request, u, "POST", path, body(i) if callable(body) else body, params)
+                   for i, u in enumerate(self.urls)]
+        return collect(futures, path)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def convert(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for n, t in named:
+            t = t.detach()
+            if self.dtype is not None and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            if t.dtype not in DTYPE_NAMES:
+                raise WeightSyncError(f"cannot send {n} of dtype {t.dtype} (float32, bfloat16, float16 only)")
+            out.append((n, t.contiguous()))
+        return out
+
+    def broadcast_with(self, path: str, body: dict, tensors: list[tuple[str, torch.Tensor]]) -> list[dict]:
+        """POST `body` to every server (they start receiving) while we broadcast each tensor in order."""
+        if self.group is None:
+            raise WeightSyncError("call init_process_group() before push()")
+        posts = [self.pool.submit(self.request, u, "POST", path, body) for u in self.urls]
+        try:
+            for _, t in tensors:
+                if any(p.done() and p.exception() is not None for p in posts):
+                    break  # a server refused: it will not join this broadcast
+                self.group.send(t)
+        except Exception as e:
+            collect(posts, path)  # a server's own error explains it best
+            raise WeightSyncError(f"broadcast failed: {e}") from e
+        return collect(posts, path)
+
+    def host_group(self, join: Callable[[], list[dict]], make_group: Callable[[Any], Broadcaster],
+                   host_store: bool = True) -> None:
+        """Host the store (unless `make_group` hosts its own), run `join` (the servers' init requests) and build our
+        side concurrently."""
+        from torch.distributed import TCPStore
+
+        self.master_port = self.master_port or free_port()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if host_store:
+            self.store = TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
+                                  timeout=timeout, wait_for_workers=False)
+        joined: cf.Future = cf.Future()
+        threading.Thread(target=lambda: _run_into(joined, join), name="weight-join", daemon=True).start()
+        group: cf.Future = cf.Future()
+        threading.Thread(target=lambda: _run_into(group, lambda: make_group(self.store)), name="weight-group",
+                         daemon=True).start()
+        cf.wait([joined, group], return_when=cf.FIRST_EXCEPTION)
+        if group.done() and group.exception() is not None:
+            cf.wait([joined], timeout=5.0)  # a server's refusal explains it best
+        if joined.done() and joined.exception() is not None:
+            raise joined.exception()  # a server refused: fail now, not after the group timeout
+        if group.exception() is not None:
+            raise WeightSyncError(f"could not form the weight group: {group.exception()}") from group.exception()
+        self.group = group.result()
+        joined.result()
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+        self.group = None
+        self.store = None
+
+
+def _run_into(future: cf.Future, fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+        future.set_exception(exc)
+
+
+def error_text(data: Any) -> str:
+    """The message of a server's error body, whatever its shape (OpenAI error, FastAPI detail, {message})."""
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                return str(data[key])
+    return str(data)[:500]
+
+
+def collect(futures: list[cf.Future], what: str) -> list[dict]:
+    errors, answers = [], []
+    for f in futures:
+        try:
+            answers.append(f.result())
+        except Exception as e:
+            errors.append(str(e))
+    if errors:
+        raise WeightSyncError(f"{what}: " + " | ".join(errors))
+    return answers
