@@ -15,7 +15,7 @@ class ActorConfig:
     retries: int = 5
     backoff_s: float = 0.2  # first retry delay; doubles each retry
     probe_interval_s: float = 0.5  # how often a server out of rotation is probed (GET /health)
-    adapter: str = "builtin"  # response shape: builtin | vllm (see inflight/actor/adapters.py)
+    adapter: str = "builtin"  # response shape: builtin | vllm | sglang (see inflight/actor/adapters.py)
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     eval_temperature: float = 0.0
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens

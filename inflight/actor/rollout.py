@@ -66,6 +66,8 @@ class RolloutClient:
             "logprobs": True,
             **extra,
         }
+        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
+            payload.setdefault("return_token_ids", True)
         completions = await self.pool.chat(payload)
         if len(completions) != n:
             raise RuntimeError(f"asked for n={n} choices, the server returned {len(completions)}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,34 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.reliability.pipeline_helpers import free_base_port, free_port, records
+
 pytestmark = pytest.mark.slow
 
 PROMISED = ["config.yaml", "metrics.jsonl", "report.html", "summary.json", "checkpoints/final/config.json",
             "logs/trainer.log", "logs/actor.log", "logs/server0.log", "logs/server1.log"]
 PLOTS = ["accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_base_port(n: int) -> int:
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65535 and all(_is_free(base + k) for k in range(n)):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def overrides(model_dir: Path, run_dir: Path, name: str, *extra: str) -> list[str]:
@@ -59,10 +37,6 @@ def run_train(args: list[str], timeout: float = 150) -> subprocess.CompletedProc
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "inflight.cli", "train", "/dev/null", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
-
-
-def records(run: Path, event: str) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["event"] == event]
 
 
 def check_common(run: Path, max_steps: int) -> list[dict]:
