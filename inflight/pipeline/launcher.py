@@ -17,17 +17,11 @@ import httpx
 
 from inflight.config import save_config
 from inflight.pipeline import checkpoint as ckpt
-from inflight.pipeline.metrics import MetricsLogger, read_metrics
+from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.procs import Child, ProcessGroup
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.roles import actor_main, trainer_main
-from inflight.pipeline.scrape import ServerScraper
-
-
-class RoleFailed(RuntimeError):
-    def __init__(self, role: str, message: str):
-        super().__init__(message)
-        self.role = role
+from inflight.pipeline.supervise import RoleFailed, supervise
 
 
 def run_dir_of(cfg: Any) -> Path:
@@ -148,8 +142,6 @@ def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]
     import json
     import os
 
-    if cfg.trainer.backend == "fsdp2":
-        raise ValueError("--resume supports trainer.backend=single only (FSDP2 optimizer state is not saved)")
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -206,16 +198,15 @@ def run_pipeline(cfg: Any, resume: bool = False) -> int:
     if hasattr(stream, "reset"):
         stream.reset()
     progress = Progress(cfg, enabled=cfg.pipeline.progress)
-    code = 0
     old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        servers = []
+
+    def start() -> tuple[list[str], Any]:
         if not cfg.pipeline.server_urls:
             for k in range(cfg.server.num_servers):
                 env = _thread_env(cfg.server.threads)
                 if k < len(cfg.pipeline.server_devices):
                     env["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.server_devices[k]
-                servers.append(procs.start_command(f"server{k}", server_command(cfg, k, resume_from), env=env))
+                procs.start_command(f"server{k}", server_command(cfg, k, resume_from), env=env)
         # the trainer loads while the servers do (it waits for /health itself); the actor starts once they answer
         tenv = _thread_env(cfg.trainer.threads)
         if cfg.pipeline.trainer_devices:
@@ -225,50 +216,28 @@ def run_pipeline(cfg: Any, resume: bool = False) -> int:
         log.log("servers_ready", urls=urls)
         procs.start_function("actor", actor_main, (cfg, str(run_dir), urls, stream, actor_resume), env=_thread_env(1))
         log.log("roles_started", pids={c.name: c.pid for c in procs.children})
-        scraper = ServerScraper(urls, log, cfg.server.api_key)
-        next_scrape = 0.0
         restarts: dict[str, int] = {}
-        while True:
+
+        def trainer_done() -> bool:
             if trainer.poll() == 0:
-                break
+                return True
             if cfg.pipeline.restart_servers:
                 restart_dead_servers(cfg, procs, restarts, log)
             failed = next((c for c in procs.children if c.poll() not in (None, 0) or (c.poll() == 0 and not
                            c.name.startswith(("actor", "trainer")))), None)  # the actor may finish first
             if failed is not None:
                 raise RoleFailed(failed.name, _failure_message(failed, cfg.pipeline.log_tail_lines))
-            if time.time() >= next_scrape:
-                next_scrape = time.time() + cfg.pipeline.scrape_every_s
-                progress.servers(scraper.scrape())
-            progress.update(run_dir)
-            time.sleep(0.2)
-        progress.servers(scraper.scrape())
-        final_eval(cfg, urls, log)
-        progress.update(run_dir)
-        log.log("run_done", elapsed_s=time.time() - log_start(run_dir))
-    except RoleFailed as exc:
-        progress.close()
-        print(f"\ninflight: {exc}", file=sys.stderr)
-        log.log("role_failed", failed_role=exc.role, message=str(exc)[:2000])
-        code = 1
-    except KeyboardInterrupt:
-        progress.close()
-        print("\ninflight: interrupted; stopping every role", file=sys.stderr)
-        log.log("interrupted")
-        code = 130
-    finally:
-        progress.close()
+            return False
+
+        return urls, trainer_done
+
+    def stop() -> None:
         if hasattr(stream, "close"):
             stream.close()
         procs.stop_all()
         signal.signal(signal.SIGTERM, old_term)
-        log.close()
-    if code == 0:
-        from inflight.pipeline.report import write_report
 
-        path = write_report([run_dir])
-        print(f"inflight: run finished; report: {path}")
-    return code
+    return supervise(cfg, run_dir, log, progress, start, stop)
 
 
 def restart_dead_servers(cfg: Any, procs: ProcessGroup, restarts: dict[str, int], log: MetricsLogger) -> None:
@@ -288,35 +257,6 @@ def restart_dead_servers(cfg: Any, procs: ProcessGroup, restarts: dict[str, int]
         procs.start_command(child.name, server_command(cfg, k, restart=True), env=env)
 
 
-def final_eval(cfg: Any, urls: list[str], log: MetricsLogger) -> None:
-    """Held-out accuracy of the final weights (the servers hold them now), so every run ends with a measurement."""
-    import asyncio
-
-    from inflight.actor.evaluate import evaluate
-    from inflight.actor.server_pool import ServerPool
-    from inflight.tasks import get_task
-
-    if cfg.actor.eval_every <= 0:
-        return
-    version = max((r.get("step", 0) for r in read_metrics(run_dir_of(cfg), event="train_step")), default=0)
-
-    async def main() -> dict:
-        pool = ServerPool(urls, api_key=cfg.server.api_key or None, adapter=cfg.actor.adapter,
-                          request_timeout_s=cfg.actor.request_timeout_s)
-        try:
-            return await evaluate(get_task(cfg.task), pool, cfg.actor)
-        finally:
-            await pool.aclose()
-
-    try:
-        res = asyncio.run(main())
-    except Exception as exc:  # the run itself succeeded; say why the last measurement is missing
-        print(f"inflight: final evaluation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return
-    log.log("eval", step=version, accuracy=res.get("pass@1"), final=True, trainer_version=version,
-            **{k: v for k, v in res.items() if k != "labels"})
-
-
 def fresh_run_dir(run_dir: Path) -> None:
     """A run starts from an empty record: old metrics, logs, event files and report of the same name go."""
     import shutil
@@ -326,8 +266,3 @@ def fresh_run_dir(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
     for name in ("logs", "tensorboard", "plots"):
         shutil.rmtree(run_dir / name, ignore_errors=True)
-
-
-def log_start(run_dir: Path) -> float:
-    starts = read_metrics(run_dir, event="run_start")
-    return starts[-1]["time"] if starts else time.time()

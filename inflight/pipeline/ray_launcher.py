@@ -16,16 +16,14 @@ launcher does. See docs/multi-host.md.
 from __future__ import annotations
 
 import os
-import sys
-import time
 from typing import Any
 
 from inflight.config import save_config
-from inflight.pipeline.launcher import (MAX_RESTARTS, RoleFailed, actor_config_for, check_config, final_eval,
-                                        fresh_run_dir, log_start, prepare_resume, run_dir_of)
+from inflight.pipeline.launcher import (MAX_RESTARTS, actor_config_for, check_config, fresh_run_dir, prepare_resume,
+                                        run_dir_of, wait_healthy)
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
-from inflight.pipeline.scrape import ServerScraper
+from inflight.pipeline.supervise import RoleFailed, supervise
 
 PIN_AMOUNT = 0.001  # of a pinning resource per role: any number of roles fit on the host that has it
 
@@ -155,27 +153,26 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
     actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
                     if state else None)
     stream = make_stream(cfg.pipeline, name=cfg.name, capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
-    if not resume:
-        stream.reset()
+    stream.reset()  # a resumed run too: groups left by the dead run were made by weights the checkpoint never had
     progress = Progress(cfg, enabled=cfg.pipeline.progress)
     handles: list[Any] = []
-    pg, code = None, 0
-    try:
+    pgs: list[Any] = []
+
+    def start() -> tuple[list[str], Any]:
+        from inflight.pipeline.ray_roles import RoleActor
+
         servers = start_servers(cfg, str(run_dir), str(resume_from or cfg.model.path))
-        handles += servers
+        handles.extend(servers)
         try:
             urls = ray.get([s.url.remote() for s in servers], timeout=cfg.pipeline.startup_timeout_s)
         except Exception as exc:
             raise RoleFailed("server", f"inference servers did not start: {type(exc).__name__}: {exc}") from exc
         log.log("servers_ready", urls=urls)
         trainers, trainer_refs, trainer_nodes, pg = start_trainer(cfg, str(run_dir), urls, stream,
-                                                   str(resume_from) if resume_from else None)
-        handles += trainers
-        from inflight.pipeline.launcher import wait_healthy
-
+                                                                  str(resume_from) if resume_from else None)
+        handles.extend(trainers)
+        pgs.extend([pg] if pg is not None else [])
         wait_healthy(urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)
-        from inflight.pipeline.ray_roles import RoleActor
-
         actor = ray.remote(RoleActor).options(name=f"{cfg.name}-actor", num_cpus=1, max_restarts=0,
                                               resources=_resources(cfg, "actor")).remote("actor", str(run_dir))
         handles.append(actor)
@@ -186,9 +183,8 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
         log.log("roles_started", launcher="ray", servers=urls, trainer_host=cfg.pipeline.weight_sync_host,
                 ray_nodes=placement)
         watched = {**dict(zip(names, trainer_refs)), "actor": actor_ref}
-        scraper = ServerScraper(urls, log, cfg.server.api_key)
-        next_scrape = 0.0
-        while True:
+
+        def trainer_done() -> bool:
             for name, ref in list(watched.items()):
                 done, _ = ray.wait([ref], timeout=0)
                 if not done:
@@ -198,43 +194,21 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
                 except Exception as exc:  # RayActorError (the process died) or the role's own exception
                     raise _role_error(name, exc, str(run_dir), cfg.pipeline.log_tail_lines) from None
                 del watched[name]  # the actor and ranks > 0 may finish first
-            if "trainer" not in watched:
-                break
-            if time.time() >= next_scrape:
-                next_scrape = time.time() + cfg.pipeline.scrape_every_s
-                progress.servers(scraper.scrape())
-            progress.update(run_dir)
-            time.sleep(0.2)
-        progress.servers(scraper.scrape())
-        final_eval(cfg, urls, log)
-        progress.update(run_dir)
-        log.log("run_done", elapsed_s=time.time() - log_start(run_dir))
-    except RoleFailed as exc:
-        progress.close()
-        print(f"\ninflight: {exc}", file=sys.stderr)
-        log.log("role_failed", failed_role=exc.role, message=str(exc)[:2000])
-        code = 1
-    except KeyboardInterrupt:
-        progress.close()
-        print("\ninflight: interrupted; stopping every role", file=sys.stderr)
-        log.log("interrupted")
-        code = 130
-    finally:
-        progress.close()
+            return "trainer" not in watched
+
+        return urls, trainer_done
+
+    def stop() -> None:
         stream.close()
         for h in handles:
             try:
                 ray.kill(h, no_restart=True)
             except Exception:
                 pass
-        if pg is not None:
+        for pg in pgs:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(pg)
         ray.shutdown()  # disconnects from a running cluster; stops one this process started
-        log.close()
-    if code == 0:
-        from inflight.pipeline.report import write_report
 
-        print(f"inflight: run finished; report: {write_report([run_dir])}")
-    return code
+    return supervise(cfg, run_dir, log, progress, start, stop)
