@@ -140,7 +140,7 @@ class WeightReceiver:
 
                 def apply() -> float:
                     p0 = time.perf_counter()
-                    received = {p.name: self._receive(tuple(p.shape), specs[p.name][1]) for p in params}
+                    received = self._receive_all(params, specs, req.version)
                     if self.reject_nonfinite:  # every broadcast was received: the group stays in step
                         check_finite(received)
                     self.engine.load_weights(received, req.version, req.mode)
@@ -154,6 +154,24 @@ class WeightReceiver:
                  req.version, "file" if req.path else "broadcast", ntensors, nbytes / 1e6,
                  req.mode, pause_s, total_s, f" (read {read_s:.3f}s)" if req.path else "")
         return {"version": req.version, "pause_s": pause_s}
+
+    def _receive_all(self, params: list[ParamInfo], specs: dict, version: int) -> dict[str, torch.Tensor]:
+        """Every announced tensor, or WeightUpdateError 409 if the broadcast breaks off (the trainer aborted the
+        group, or a peer died): what was received is dropped, nothing is applied, and the broken group is let go, so
+        the next /init_process_group forms a new one."""
+        received: dict[str, torch.Tensor] = {}
+        try:
+            for p in params:
+                received[p.name] = self._receive(tuple(p.shape), specs[p.name][1])
+        except Exception as e:  # gloo: connection closed / reset, or the group timeout
+            n = len(received)
+            received.clear()
+            self.group = None
+            raise WeightUpdateError(
+                f"weight broadcast of v{version} broke off after {n} of {len(params)} tensors "
+                f"({str(e).splitlines()[0][:200]}); nothing applied, weights stay at v{self.engine.version}; "
+                "POST /init_process_group again", status=409) from None
+        return received
 
     def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)

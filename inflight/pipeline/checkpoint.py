@@ -2,7 +2,8 @@
 
     runs/<name>/checkpoints/step_000012/
         config.json, model.safetensors, tokenizer...  the weights, HF format (AutoModelForCausalLM.from_pretrained)
-        train_state.pt      optimizer + scheduler state, RNG states (torch.save; read back with weights_only=True)
+        train_state.pt      optimizer + scheduler state, RNG states (torch.save; read back with weights_only=True);
+                            FSDP2: the optimizer state gathered unsharded, keyed by parameter name
         state.json          step, weight version, samples trained, stream / prompt position (human-readable)
 
 A checkpoint is written to a hidden temporary folder next to its final place and renamed into place, so a crash
@@ -93,7 +94,7 @@ def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointS
     try:
         engine.save(str(tmp))
         extra: dict[str, Any] = {"rng": rng_state()}
-        if hasattr(engine, "train_state"):  # optimizer + scheduler (single-device backend)
+        if hasattr(engine, "train_state"):  # optimizer + scheduler (FSDP2: collective, the other ranks call it too)
             extra.update(engine.train_state())
         torch.save(extra, tmp / TRAIN_STATE)
         (tmp / STATE_JSON).write_text(json.dumps(asdict(state), indent=1))
@@ -135,7 +136,9 @@ def restore_trainer(engine: Any, path: str | Path) -> CheckpointState:
     from `path` (make_trainer(path, ...).init()). Returns the checkpoint's state."""
     state = read_state(path)
     extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
-    if hasattr(engine, "load_train_state") and "optimizer" in extra:
+    if hasattr(engine, "load_train_state"):
+        if "optimizer" not in extra:  # FSDP2 checkpoints written before the optimizer state was saved
+            raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot be resumed exactly")
         engine.load_train_state(extra)
     set_rng_state(extra["rng"])
     engine.version = state.version

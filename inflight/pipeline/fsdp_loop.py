@@ -41,8 +41,9 @@ def token_lags(samples: list, weights_version: int) -> list[int]:
 
 
 class DistributedTrainerLoop(TrainerLoop):
-    def __init__(self, *args: Any, rank: int, world_size: int, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, cfg: Any, engine: Any, *args: Any, rank: int, world_size: int, resume: Any = None,
+                 **kwargs: Any):
+        super().__init__(cfg, engine, *args, resume=resume, **kwargs)
         self.rank, self.world = rank, world_size
         if self.cfg.algo.loss == "decoupled_ppo" or self.ref_engine is not None:
             raise ValueError("trainer.backend=fsdp2 does not support decoupled_ppo or kl_coef > 0 yet")
@@ -118,16 +119,30 @@ class DistributedTrainerLoop(TrainerLoop):
         return record
 
     def checkpoint(self, final: bool = False):
+        """Collective. Rank 0 writes the checkpoint (save_checkpoint calls engine.save, then engine.train_state);
+        the other ranks make the same two collective calls: the weights and the optimizer shards are gathered."""
         if self.rank == 0:
             return super().checkpoint(final)
-        self.engine.save("")  # collective gather; only rank 0 writes
+        self.engine.save("")
+        self.engine.train_state()
+
+    def _send_weights(self, version: int) -> None:
+        """Collective gather of the weights; rank 0 streams them to the servers."""
+        if self.rank == 0:
+            self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode)
+        else:
+            for _ in self.engine.named_weights():
+                pass
 
     def done(self) -> bool:
         return self.rank == 0 and super().done()
 
     def run(self) -> None:
+        if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
+            self._send_weights(self.engine.version)
+            self.server_version = self.engine.version
         if self.rank == 0:
-            self.stream.publish_version(0)
+            self.stream.publish_version(self.server_version)
         try:
             while True:
                 self.step()
@@ -137,12 +152,9 @@ class DistributedTrainerLoop(TrainerLoop):
         except StopTraining:
             pass
         if self.server_version != self.engine.version:  # sync mode mid-round
+            self._send_weights(self.engine.version)
             if self.rank == 0:
-                self.sync.push(self.engine.named_weights(), self.engine.version, self.cfg.pipeline.update_mode)
                 self.stream.publish_version(self.engine.version)
-            else:
-                for _ in self.engine.named_weights():
-                    pass
         self.checkpoint(final=True)
         if self.rank == 0:
             self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,

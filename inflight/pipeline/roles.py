@@ -44,7 +44,8 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     if world > 1 and rank > 0:
         from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
-        DistributedTrainerLoop(cfg, engine, stream, None, None, run_dir, rank=rank, world_size=world).run()
+        DistributedTrainerLoop(cfg, engine, stream, None, None, run_dir, rank=rank, world_size=world,
+                               resume=resume).run()
         return
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     ref = None
@@ -62,7 +63,8 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
         if world > 1:
             from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
-            DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world).run()
+            DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world,
+                                   resume=resume).run()
         else:
             TrainerLoop(cfg, engine, stream, sync, log, run_dir, ref_engine=ref, resume=resume).run()
     finally:

@@ -6,8 +6,8 @@ torch.multiprocessing), or initialise the default process group yourself before 
 
 Collective calls (every rank must make them, in the same order): init, forward_logprobs, backward,
 optimizer_step, named_weights (iterate it to the end on every rank; rank 0 broadcasts the tensors, the others
-discard them). Each rank packs its own samples; StepAccumulator keeps the number of forward/backward passes equal
-across ranks. Losses normalise by counts of the whole step over all ranks, so gradients are SUMMED across ranks
+discard them), save, train_state, load_train_state. Each rank packs its own samples; StepAccumulator keeps the
+number of forward/backward passes equal across ranks. Losses normalise by counts of the whole step over all ranks, so gradients are SUMMED across ranks
 (divide factor 1), which makes the step identical to one process doing all the micro-batches.
 
 gloo has no PREMUL_SUM / AVG reduce-scatter: with divide factor 1 we force plain SUM collectives, which gloo runs.
@@ -96,3 +96,29 @@ class FSDP2Trainer(SingleDeviceTrainer):
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         dist.barrier()
+
+    # ---- checkpoints: the sharded optimizer state, gathered into one full (unsharded) state dict --------------
+    def train_state(self) -> dict:
+        """Collective. The optimizer state unsharded and keyed by parameter name (what a single process would hold;
+        it loads on any number of ranks), the scheduler state and the version. Rank 0 gets the tensors (on CPU),
+        the other ranks an empty optimizer dict: only rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self._require_init()
+        osd = get_optimizer_state_dict(self.model, self.optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"optimizer": osd, "scheduler": self.scheduler.state_dict(), "version": self.version,
+                "backend": "fsdp2"}
+
+    def load_train_state(self, state: dict) -> None:
+        """Collective; every rank passes the full state read from the checkpoint and keeps its own shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        self._require_init()
+        if state.get("backend") != "fsdp2":
+            raise ValueError("this checkpoint's optimizer state was written by another trainer backend "
+                             f"({state.get('backend', 'single')!r}); resume it with that backend")
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])

@@ -8,6 +8,12 @@ server to join the process group, and after each optimizer step announces the te
 Each tensor is one broadcast (measured: per-tensor gloo broadcasts beat one flattened buffer, FACTS.md), sent in
 the announced order and converted to the servers' dtype. `transport="file"` writes one safetensors file under
 /dev/shm instead and posts its path (single host only).
+
+A server that dies during the broadcasts must not hold the others there until the group timeout: the broadcasts run
+on their own thread while the servers' answers are watched, and on the first failure (a broadcast error or a
+server's request failing) the trainer drops its end of the group (`abort_group`). Closing its gloo connections makes
+every server still receiving fail at once; a server drops what it received (nothing applied) and answers 409, and
+the next push needs `init_process_group()` again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ log = logging.getLogger("inflight.trainer.weight_sync")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
 
 
 def _run_into(future: cf.Future, fn) -> None:
@@ -71,6 +78,7 @@ class WeightSyncClient:
         self.pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="weight-sync")
         self.store: Any = None
         self.group: Any = None
+        self._generation = 0  # +1 whenever the group is replaced or aborted: a stale abort leaves a new group alone
         self._group_thread: threading.Thread | None = None
 
     @property
@@ -84,6 +92,7 @@ class WeightSyncClient:
 
         if self.transport == "file":
             return  # the file transport needs no group
+        self._generation += 1
         self.master_port = self.master_port or free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # wait_for_workers=False: otherwise the constructor blocks until every server has connected (FACTS.md).
@@ -155,15 +164,55 @@ class WeightSyncClient:
             self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True) for u in self.urls],
                           "check_weight_update")
         posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
+        generation = self._generation
+        sender: cf.Future = cf.Future()
+        threading.Thread(target=lambda: _run_into(sender, lambda: self._send_all(tensors, generation)),
+                         name=f"broadcast-v{version}", daemon=True).start()
+        pending: set[cf.Future] = {sender, *posts}
+        while sender in pending:  # a server whose request fails has left the broadcast: stop at once
+            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            if any(p in done and p.exception() is not None for p in posts):
+                break
+        if not sender.done() or sender.exception() is not None:
+            reason = str(sender.exception()) if sender.done() else "a server's request failed"
+            t0 = time.perf_counter()
+            self.abort_group(generation)  # the servers still receiving fail now, not at the group timeout
+            try:  # each server's own answer names it (the dead one: a connection error)
+                self._collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
+            except WeightSyncError as e:
+                raise WeightSyncError(f"broadcast of v{version} broke off ({reason[:300]}); weight group aborted, "
+                                      f"servers answered in {time.perf_counter() - t0:.2f}s: {e}") from None
+            raise WeightSyncError(f"broadcast of v{version} failed: {reason}")
+        return self._collect(posts, "request_weight_update")
+
+    def _send_all(self, tensors: list[tuple[str, torch.Tensor]], generation: int) -> None:
+        """Broadcast every tensor. The group is read from self.group each time and never kept in a local: a frame or
+        a traceback holding it would keep its connections open after abort_group."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        try:
-            for _, t in tensors:
-                self.group.broadcast([t], opts).wait()
-        except Exception as e:
-            self._collect(posts, "request_weight_update")  # a server's own error is the better message
-            raise WeightSyncError(f"broadcast of v{version} failed: {e}") from e
-        return self._collect(posts, "request_weight_update")
+        for i, (_, t) in enumerate(tensors):
+            if self._generation != generation or self.group is None:
+                raise WeightSyncError(f"weight group aborted after {i} of {len(tensors)} tensors")
+            self.group.broadcast([t], opts).wait()
+
+    def abort_group(self, generation: int | None = None) -> None:
+        """Drop our end of the weight group (only if it is still `generation`'s): its connections close and every
+        server blocked in a broadcast fails at once. The next push needs init_process_group() again."""
+        if generation is not None and generation != self._generation:
+            return  # the group was re-formed meanwhile
+        self._generation += 1
+        box = [self.group]
+        self.group, self.store = None, None
+        if box[0] is None:
+            return
+        if self.backend == "nccl":  # NCCL ops can hang without an explicit abort; gloo closes on destruction
+            try:
+                box[0].abort()
+            except Exception as e:  # noqa: BLE001 - best effort, the group is dropped anyway
+                log.warning("abort of the weight group failed: %s", e)
+        # The destructor waits for an op still in flight (e.g. a send to a stopped peer): run it off this thread.
+        threading.Thread(target=box.clear, name="weight-group-abort", daemon=True).start()
+        log.warning("weight group aborted (%d servers): the next push forms it again", len(self.urls))
 
     def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
         from safetensors.torch import save_file
@@ -199,11 +248,16 @@ class WeightSyncClient:
             raise WeightSyncError(f"server {url} rejected {path} (HTTP {r.status_code}): {msg}")
         return r.json()
 
-    def _collect(self, futures: list[cf.Future], what: str) -> list[dict]:
+    def _collect(self, futures: list[cf.Future], what: str, timeout_s: float | None = None) -> list[dict]:
+        """Every answer, or one WeightSyncError naming each failed server. With timeout_s, `futures` are the posts
+        to self.urls in order (a server that does not answer in time is named by its url)."""
         errors, answers = [], []
-        for f in futures:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for url, f in zip(self.urls, futures):
             try:
-                answers.append(f.result())
+                answers.append(f.result(None if deadline is None else max(0.0, deadline - time.monotonic())))
+            except cf.TimeoutError:
+                errors.append(f"server {url}: no answer to {what} within {timeout_s:.0f}s")
             except Exception as e:
                 errors.append(str(e))
         if errors:
@@ -215,5 +269,6 @@ class WeightSyncClient:
             self._group_thread.join(timeout=self.timeout_s + 5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        self._generation += 1
         self.group = None
         self.store = None

@@ -1,0 +1,122 @@
+"""A server SIGKILLed in the middle of a weight broadcast (after the dry run passed): the push fails within seconds
+naming it, not after the group timeout; the surviving server leaves the broadcast at once, drops the half-received
+update and serves the OLD weights again; once the dead server is back, the next push brings both to the new version.
+Real `inflight serve` processes, real gloo group (WeightSyncClient timeout_s=600), the TrainerLoop's own push."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from inflight.config import RunConfig
+from inflight.engine.serve import ServerProcess
+from inflight.pipeline.metrics import MetricsLogger
+from inflight.pipeline.trainer_loop import TrainerLoop
+from inflight.trainer.config import TrainerConfig
+from inflight.trainer.single import SingleDeviceTrainer
+from inflight.trainer.weight_sync import WeightSyncClient
+from tests.reliability.test_weight_update_faults import SERVE, greedy, version
+
+pytestmark = pytest.mark.slow  # three server start-ups (~35 s on 2 shared cores)
+torch.set_num_threads(1)
+GROUP_TIMEOUT_S = 600.0  # the default: without the abort, the survivor would wait this long inside the broadcast
+BOUND_S = 60.0  # every recovery step must end far below the group timeout
+
+
+class KillDuringBroadcast:
+    """The trainer's group, with a hook: SIGKILL a server once `after` tensors were broadcast (the dry run passed
+    and every server was asked to receive). The test keeps no reference to it, so aborting the group frees it."""
+
+    def __init__(self, group, pid: int, after: int, marks: dict):
+        self.group, self.pid, self.after, self.marks, self.sent = group, pid, after, marks, 0
+
+    def broadcast(self, tensors, opts):
+        work = self.group.broadcast(tensors, opts)
+        self.sent += 1
+        if self.sent == self.after:
+            work.wait()
+            os.kill(self.pid, signal.SIGKILL)
+            self.marks["killed"] = time.monotonic()
+        return work
+
+
+def run_with_deadline(fn, seconds: float) -> tuple[object, BaseException | None, float]:
+    """fn() on a thread; (result, error, seconds). A call still blocked after `seconds` fails the test."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["res"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["err"] = exc
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still blocked after {seconds:.0f} s (group timeout {GROUP_TIMEOUT_S:.0f} s)"
+    return box.get("res"), box.get("err"), time.monotonic() - t0
+
+
+def make_loop(model_dir, run_dir, urls: list[str]) -> TrainerLoop:
+    cfg = RunConfig()
+    cfg.pipeline.weight_sync_retries, cfg.pipeline.startup_timeout_s = 2, 3.0
+    engine = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1))
+    engine.init()
+    with torch.no_grad():  # new weights, so that an applied update is visible in the outputs
+        for p in engine.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sync = WeightSyncClient(urls, timeout_s=GROUP_TIMEOUT_S)
+    sync.init_process_group()
+    return TrainerLoop(cfg, engine, None, sync, MetricsLogger(run_dir, "trainer"), run_dir)
+
+
+def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path):
+    a = ServerProcess(str(tiny_model_dir), extra_args=SERVE)
+    b = ServerProcess(str(tiny_model_dir), extra_args=SERVE)
+    loop = make_loop(tiny_model_dir, tmp_path, [a.url, b.url])
+    try:
+        old = greedy(a.url)
+        assert greedy(b.url) == old and version(a.url) == version(b.url) == 0
+        ntensors = len(list(loop.engine.named_weights()))
+        assert ntensors > 6
+        marks: dict = {}
+        loop.sync.group = KillDuringBroadcast(loop.sync.group, b.proc.pid, after=3, marks=marks)
+
+        # 1. The push fails fast and names the dead server.
+        _, err, _ = run_with_deadline(lambda: loop.sync.push(loop.engine.named_weights(), 1), BOUND_S)
+        failed_after = time.monotonic() - marks["killed"]
+        b.proc.wait()
+        assert err is not None and b.url in str(err), err
+        assert "broadcast" in str(err) and "weight group aborted" in str(err)
+        print(f"\npush error: {err}")
+
+        # 2. The survivor left the broadcast, dropped what it had received and serves the old weights.
+        out, err2, _ = run_with_deadline(lambda: greedy(a.url), BOUND_S)
+        survivor_after = time.monotonic() - marks["killed"]
+        assert err2 is None, f"the surviving server does not answer (still inside the broadcast?): {err2!r}"
+        assert version(a.url) == 0 and out == old  # no half-new weights
+        log = open(a.log_path).read()
+        assert "broke off" in log and "nothing applied" in log  # it was inside the broadcast and dropped it
+
+        # 3. The dead server comes back: the trainer's push re-forms the group and both reach v1.
+        t0 = time.monotonic()
+        b = ServerProcess(str(tiny_model_dir), port=b.port, extra_args=SERVE)
+        restart_s = time.monotonic() - t0
+        _, err, push_s = run_with_deadline(lambda: loop.push(1), BOUND_S)
+        assert err is None, err
+        assert version(a.url) == version(b.url) == 1
+        new = greedy(a.url)
+        assert greedy(b.url) == new and new != old  # the same complete new weights on both
+        print(f"\nbroadcast death: push failed {failed_after:.2f} s after the kill, survivor served old weights "
+              f"{survivor_after:.2f} s after it; server restart {restart_s:.1f} s, recovery push {push_s:.2f} s "
+              f"(group timeout {GROUP_TIMEOUT_S:.0f} s, {ntensors} tensors)")
+    finally:
+        loop.sync.close()
+        a.stop()
+        b.stop()
