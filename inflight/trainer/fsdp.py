@@ -7,8 +7,9 @@ torch.multiprocessing), or initialise the default process group yourself before 
 Collective calls (every rank must make them, in the same order): init, forward_logprobs, backward,
 optimizer_step, named_weights (iterate it to the end on every rank; rank 0 broadcasts the tensors, the others
 discard them), save, train_state, load_train_state. Each rank packs its own samples; StepAccumulator keeps the
-number of forward/backward passes equal across ranks. Losses normalise by counts of the whole step over all ranks, so gradients are SUMMED across ranks
-(divide factor 1), which makes the step identical to one process doing all the micro-batches.
+number of forward/backward passes equal across ranks. Losses normalise by counts of the whole step over all
+ranks, so gradients are SUMMED across ranks (divide factor 1), which makes the step identical to one process doing
+all the micro-batches.
 
 gloo has no PREMUL_SUM / AVG reduce-scatter: with divide factor 1 we force plain SUM collectives, which gloo runs.
 """
