@@ -8,6 +8,10 @@ plain HF training loop does). tokens/s counts real tokens only (prompt + complet
 of ratios from one run. Times are this process's CPU time (time.process_time), so other work on a shared machine
 distorts them less than wall time; use --threads 1 there.
 
+`--rl-step` instead times the pipeline's optimizer step on the demo workload (trainer_step.py): the tiny demo model,
+16 prompts x 8 samples, the default grpo loss, budget 4096, one thread; `--baseline REV` also times the trainer code of
+git revision REV (extracted with `git archive`), alternating the two in fresh processes, and prints the ratio.
+
 `--broadcast N` also pushes the trainer's weights N times to a real `inflight serve` process (WeightSyncClient,
 gloo process group and file transport) and compares bytes/s with a plain in-process memory copy of the same tensors.
 """
@@ -133,6 +137,10 @@ def broadcast(trainer: SingleDeviceTrainer, model_dir: str, pushes: int) -> None
 
 
 def main() -> None:
+    if "--rl-step" in sys.argv[1:]:
+        from bench.trainer_step import main as rl_step_main
+
+        return rl_step_main([a for a in sys.argv[1:] if a != "--rl-step"])
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--samples", type=int, default=32)
@@ -141,6 +149,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--broadcast", type=int, default=0, help="also time N weight pushes to a real server")
+    ap.add_argument("--rl-step", action="store_true", help="time one RL optimizer step of the demo instead "
+                    "(bench/trainer_step.py; --rl-step --help for its options)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         build_model(Path(d), args.hidden, args.layers)

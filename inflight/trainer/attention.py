@@ -8,9 +8,17 @@ hundreds of short samples). Here, samples are sorted by length and cut into buck
 padding never leaks: a real query only sees keys at or before it, all real). Registered with transformers as
 "inflight_packed"; it takes the sample boundaries from `cu_seq_lens_q` (the keyword varlen flash attention uses).
 Called without them (a plain forward, e.g. generation with padding) it is exactly transformers' SDPA.
+
+Inside `packed_call()` the mask function returns None: transformers would otherwise detect the packing from the
+position ids and build a dense [T, T] block-diagonal mask that this attention never reads (O(T^2) time and memory:
+~8% of a demo step). The bucket indices are computed once per forward, not once per layer.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +28,25 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "inflight_packed"
 _PAD_SLACK = 1.25  # a bucket's padded area may exceed its real area by this factor
+_PACKED_CALL = contextvars.ContextVar("inflight_packed_call", default=False)
+_INDEX_CACHE: dict[tuple, list] = {}  # (sample bounds, device) -> per-bucket indices, for the layers of one forward
+
+
+@contextlib.contextmanager
+def packed_call() -> Iterator[None]:
+    """A forward whose attention gets the sample boundaries (cu_seq_lens_q): no dense mask is built, and the
+    bucket indices are shared by all layers."""
+    token = _PACKED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_CALL.reset(token)
+        _INDEX_CACHE.clear()
+
+
+def packed_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, except inside `packed_call()` where attention does not read a mask."""
+    return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
 
 
 def length_buckets(lengths: list[int]) -> list[list[int]]:
@@ -48,6 +75,20 @@ def _bucket_index(starts: list[int], lengths: list[int], members: list[int], dev
     return torch.tensor(src, device=device), torch.tensor(dst, device=device), width
 
 
+def _buckets(cu_seq_lens: torch.Tensor, device) -> list:
+    """[(members, src, dst, width)] per length bucket; cached while inside `packed_call()`."""
+    bounds = cu_seq_lens.tolist()
+    key = (tuple(bounds), str(device))
+    if key in _INDEX_CACHE:
+        return _INDEX_CACHE[key]
+    starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    out = [(members, *_bucket_index(starts, lengths, members, device)) for members in length_buckets(lengths)]
+    if _PACKED_CALL.get():
+        _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = out
+    return out
+
+
 def packed_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
@@ -57,33 +98,36 @@ def packed_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    inflight_layout=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if cu_seq_lens_q is None:
+    if cu_seq_lens_q is None and inflight_layout is None:
+        if _PACKED_CALL.get():  # the model dropped the keywords: plain SDPA without a mask would mix samples
+            raise RuntimeError(f"attention '{NAME}': this model does not pass the forward's keyword arguments to "
+                               "its attention; use trainer.attention=sdpa")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"attention '{NAME}' with cu_seq_lens_q needs one packed row, got {query.shape[0]}")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: share each kv head across its query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    bounds = cu_seq_lens_q.tolist()
-    starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if inflight_layout is not None:  # shared prompts (prefix.py)
+        from inflight.trainer.prefix import shared_sdpa
+
+        return shared_sdpa(query, key, value, inflight_layout, dropout, scaling), None
+    gqa = query.shape[1] != key.shape[1]  # grouped-query attention: SDPA shares each kv head (no repeat copies)
     heads = query.shape[1]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = q.new_zeros(q.shape[0], heads, value.shape[3])
-    for members in length_buckets(lengths):
-        src, dst, width = _bucket_index(starts, lengths, members, q.device)
+    for members, src, dst, width in _buckets(cu_seq_lens_q, q.device):
         padded = []
         for x in (q, k, v):
-            buf = x.new_zeros(len(members) * width, heads, x.shape[2])
+            buf = x.new_zeros(len(members) * width, x.shape[1], x.shape[2])
             buf = buf.index_copy(0, dst, x.index_select(0, src))
-            padded.append(buf.view(len(members), width, heads, x.shape[2]).transpose(1, 2))
-        o = F.scaled_dot_product_attention(*padded, dropout_p=dropout, is_causal=True, scale=scaling)
+            padded.append(buf.view(len(members), width, x.shape[1], x.shape[2]).transpose(1, 2))
+        o = F.scaled_dot_product_attention(*padded, dropout_p=dropout, is_causal=True, scale=scaling,
+                                           enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(len(members) * width, heads, -1)
         out = out.index_copy(0, src, o.index_select(0, dst))
     return out[None], None  # [1, T, H, D], transformers' layout after attention
 
 
 AttentionInterface.register(NAME, packed_sdpa)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the mask for plain (non-packed) calls
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packed_mask)  # sdpa's mask for plain (non-packed) calls

@@ -5,6 +5,8 @@ Packed attention: one row of T tokens holding several samples; attention never c
 - "flash_attention_2" (GPU): no mask, varlen kernel, boundaries from the position_ids (restarting at 0 per sample);
 - "sdpa" / "eager": an explicit block-diagonal causal 4D mask (transformers passes a 4D mask through as-is);
   correct for any architecture, but costs T^2 attention per row.
+Samples of equal length (the common case of short RL answers cut at the same max_new_tokens, or one sample) skip
+all of that: the row is reshaped to a [B, L] batch and run as a plain causal forward, no mask and no gathers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 
 from inflight.contracts import TrainBatch
 from inflight.trainer.attention import NAME as PACKED
+from inflight.trainer.attention import packed_call
+from inflight.trainer.prefix import shared_layout
 
 
 def block_causal_mask(sample_index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -28,15 +32,36 @@ def block_causal_mask(sample_index: torch.Tensor, dtype: torch.dtype | None = No
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str) -> torch.Tensor:
-    """Logits [T, V] of one packed micro-batch."""
+def uniform(batch: TrainBatch) -> bool:
+    """All samples of the micro-batch have one length and positions 0..L-1 (what collate builds)."""
+    lens = batch.seq_lens
+    return len(lens) > 0 and min(lens) == max(lens) and sum(lens) == batch.input_ids.shape[0]
+
+
+def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
+                  share_prompts: bool = True) -> torch.Tensor:
+    """Logits [T, V] of one packed micro-batch. With "inflight_packed" attention and `share_prompts`, samples with
+    the same prompt run it once (prefix.py); the logits come back in the packed layout either way."""
+    lens = list(batch.seq_lens)
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl == PACKED and share_prompts and (layout := shared_layout(batch, device)) is not None:
+        with packed_call():
+            out = model(input_ids=layout.ids[None], position_ids=layout.pos[None], attention_mask=None,
+                        use_cache=False, inflight_layout=layout)
+        return out.logits[0].index_select(0, layout.back)
+    if uniform(batch):  # [B, L]: plain causal attention, no padding, no mask
+        shape = (len(lens), lens[0])
+        ids = batch.input_ids.to(device).view(shape)
+        pos = batch.position_ids.to(device).view(shape)
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
+        return out.logits.reshape(ids.numel(), -1)
     ids = batch.input_ids.to(device)[None]
     pos = batch.position_ids.to(device)[None]
-    impl = getattr(model.config, "_attn_implementation", "sdpa")
     if impl == PACKED:
-        lens = torch.tensor([0] + list(batch.seq_lens), dtype=torch.int32).cumsum(0).to(device, torch.int32)
-        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, cu_seq_lens_q=lens,
-                    cu_seq_lens_k=lens, max_length_q=max(batch.seq_lens), max_length_k=max(batch.seq_lens))
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(device, torch.int32)
+        with packed_call():
+            out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, cu_seq_lens_q=cu,
+                        cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
         return out.logits[0]
     if "flash" in impl:
         mask = None  # varlen: sequence boundaries from position_ids

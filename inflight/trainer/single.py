@@ -94,6 +94,7 @@ class SingleDeviceTrainer:
 
     world_size = 1
     rank = 0
+    share_prompts = True  # samples with one prompt run it once per micro-batch (prefix.py; same gradients)
 
     def __init__(self, model_path: str, cfg: TrainerConfig):
         check_config(cfg)
@@ -125,7 +126,7 @@ class SingleDeviceTrainer:
         model.eval()
         try:
             with autocast(self.cfg, self.device):
-                logits = packed_logits(model, batch, self.device)
+                logits = packed_logits(model, batch, self.device, self.share_prompts)
             lp, _ = token_logprobs(logits, batch)
         finally:
             model.train(was_training)
@@ -135,7 +136,7 @@ class SingleDeviceTrainer:
         model = self._require_init()
         model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
         with autocast(self.cfg, self.device):
-            logits = packed_logits(model, batch, self.device)
+            logits = packed_logits(model, batch, self.device, self.share_prompts)
         lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
         loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
         loss.backward()
