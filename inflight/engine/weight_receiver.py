@@ -3,8 +3,9 @@ receive it (one broadcast per tensor from rank 0, or a safetensors file), and ha
 
 Rules (docs/inference-contract.md): an announcement is checked against `engine.param_specs()` before anything is
 received — unknown name, wrong shape, wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing
-changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers; the engine swaps
-them in with one `load_weights` call inside `run_paused`, so the model is never half-updated.
+changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers while the engine
+keeps generating; the engine then swaps them in with one `load_weights` call inside `run_paused` (the only pause),
+so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
 received and before anything is applied: the weights stay as they were.
 """
@@ -138,11 +139,13 @@ class WeightReceiver:
                 nbytes = sum(_numel(p.shape) * DTYPES[p.dtype].itemsize for p in params)
                 read_s, ntensors = 0.0, len(params)
 
+                # received while the engine keeps generating (on the old weights); it pauses only to apply
+                received = await asyncio.to_thread(self._receive_all, params, specs, req.version)
+                if self.reject_nonfinite:  # every broadcast was received: the group stays in step
+                    check_finite(received)
+
                 def apply() -> float:
                     p0 = time.perf_counter()
-                    received = self._receive_all(params, specs, req.version)
-                    if self.reject_nonfinite:  # every broadcast was received: the group stays in step
-                        check_finite(received)
                     self.engine.load_weights(received, req.version, req.mode)
                     return time.perf_counter() - p0
 
