@@ -15,9 +15,10 @@ Weight updates: `await run_paused(fn)` runs fn on the engine thread between two 
 carries the version of the weights of the forward that produced it.
 
 Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
-full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 weights
-from it in load_weights, inside the same pause, once per update. On the fast path the HF parameters are views
-of fused q/k/v and gate/up matrices: change weights only in place (load_weights), never by rebinding `.data`.
+full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 /
+oneDNN-packed float32 weights from it in load_weights, inside the same pause, once per update. On the fast path
+the HF parameters are views of fused q/k/v and gate/up matrices: change weights only in place (load_weights),
+never by rebinding `.data`.
 """
 
 from __future__ import annotations

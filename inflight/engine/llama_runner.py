@@ -14,13 +14,15 @@ the rest was per-op overhead. Fusions here (rms_norm, rope in place with a signe
 index_copy_, mask+scale folded into baddbmm, residual folded into addmm) each remove one or more full passes.
 
 Precision (precision.py): the HF parameters stay the master copy; `self.gen` holds the weights the forward
-computes with (the master tensors themselves in float32; bf16 copies or int8-packed matrices otherwise), rebuilt
-from the master once on load and once per weight update (after_weight_update, inside the engine's pause).
+computes with (in float32 the master tensors, the large ones also pre-packed for oneDNN on CPU; bf16 copies or
+int8-packed matrices otherwise), rebuilt from the master once on load and once per weight update
+(after_weight_update, inside the engine's pause). INFLIGHT_PACK_WEIGHTS=0 turns the float32 packing off.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +67,10 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32"):
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32",
+                 pack: bool | None = None):
         cfg = model.config
+        self.pack = os.environ.get("INFLIGHT_PACK_WEIGHTS", "1") != "0" if pack is None else pack
         self.model = model
         p = next(model.parameters())
         prec.check_precision(precision, p.device)
@@ -121,7 +125,7 @@ class LlamaRunner:
         """The fused tensors are the HF parameters' storage; derive the generator's weights from them again."""
         head = self.model.lm_head
         self.gen = prec.build(self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight,
-                              head.weight, head.bias)
+                              head.weight, head.bias, pack=self.pack)
         self.weight_builds += 1
 
     def _kv_index(self, plan: StepPlan) -> torch.Tensor:
@@ -186,4 +190,4 @@ class LlamaRunner:
             g, u = gu.split(L["inter"], dim=-1)
             x = prec.residual(x, F.silu(g).mul_(u), L["wd"], None)
         x = self._norm(x[plan.out_rows].to(G.head_dtype), G.norm)
-        return F.linear(x, G.head, G.head_bias).float()
+        return prec.linear(x, G.head, G.head_bias).float()

@@ -6,7 +6,10 @@ derives the generator's weights from it once, inside the same pause. The server'
 derived weights, so the trainer's importance weights see the generator/trainer mismatch.
 
 Precisions (`generator_precision`):
-- float32: the master weights themselves (no copy).
+- float32: the master weights themselves, except that on CPU every matrix with at least PACK_MIN_ELEMENTS
+  entries is also held pre-packed in oneDNN's blocked layout (PackedLinear): 10-20% faster matmuls at batch
+  32-128 than F.linear (MKL) on this CPU, slower below that size (measured 128..768 x 128..2048, 1 thread).
+  The packed copy costs one extra copy of those weights in memory and is rebuilt from the master once per update.
 - bfloat16: every weight, the activations and the KV cache in bf16.
 - bfloat16-fp32-head: bf16 body; the final norm and the output layer in fp32 (as PipelineRL keeps its last layer).
 - int8: per-output-channel symmetric int8 weights of every block linear (fused qkv, o, fused gate-up, down),
@@ -20,6 +23,7 @@ Precisions (`generator_precision`):
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Union
@@ -60,16 +64,44 @@ class Int8Linear:
         return torch.ops.quantized.linear_dynamic(x, self.packed, True)
 
 
-Weight = Union[torch.Tensor, Int8Linear]
+# out * in; smaller matrices ran slower packed than through F.linear. The env var exists for tests and tuning.
+PACK_MIN_ELEMENTS = int(os.environ.get("INFLIGHT_PACK_MIN_ELEMENTS", 1 << 17))
+
+
+def packing_available(device: torch.device | str = "cpu") -> bool:
+    """oneDNN pre-packed float32 linears: CPU builds with mkldnn and its linear ops only."""
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedLinear:
+    """y = x @ w.T + b with w reordered once into oneDNN's blocked layout (a copy: rebuild it after an update)."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().float().contiguous())
+        self.bias = None if b is None else b.detach().float().contiguous()
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + h @ w.T + b, the add fused into the matmul."""
+        return torch.ops.mkldnn._linear_pointwise.binary(h, x, self.packed, self.bias, "add")
+
+
+Weight = Union[torch.Tensor, Int8Linear, PackedLinear]
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a plain weight; an Int8Linear carries its own bias."""
+    """F.linear for a plain weight; Int8Linear / PackedLinear carry their own bias."""
     return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w(x)
 
 
 def residual(x: torch.Tensor, h: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    """x + h @ w.T (+ b); for a plain weight the add is fused into the matmul."""
+    """x + h @ w.T (+ b); for a plain or packed weight the add is fused into the matmul."""
+    if isinstance(w, PackedLinear):
+        return w.residual(x, h)
     if not isinstance(w, torch.Tensor):
         return w(h).add_(x)
     y = torch.addmm(x, h, w.t())
@@ -81,8 +113,8 @@ class GeneratorWeights:
     embed: torch.Tensor  # [vocab, hidden] in the compute dtype
     layers: list[dict]  # same keys as LlamaRunner's master layers
     norm: torch.Tensor  # final norm weight, in head_dtype
-    head: torch.Tensor  # output layer weight, in head_dtype
-    head_bias: torch.Tensor | None
+    head: Weight  # output layer weight, in head_dtype (plain or packed)
+    head_bias: torch.Tensor | None  # None when head carries its own
     head_dtype: torch.dtype  # dtype the last hidden state is cast to before the final norm
 
 
@@ -90,12 +122,31 @@ _MATRICES = ("w_qkv", "wo", "w_gu", "wd")
 _BIASES = {"w_qkv": "b_qkv", "wo": "bo"}
 
 
+def _pack_large(w: torch.Tensor, b: torch.Tensor | None) -> tuple[Weight, torch.Tensor | None]:
+    if w.dtype != torch.float32 or w.numel() < PACK_MIN_ELEMENTS:
+        return w, b
+    return PackedLinear(w, b), None
+
+
 def build(precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.Tensor, head: torch.Tensor,
-          head_bias: torch.Tensor | None) -> GeneratorWeights:
-    """The generator's weights from the master ones (called on load and once after every weight update)."""
+          head_bias: torch.Tensor | None, pack: bool = True) -> GeneratorWeights:
+    """The generator's weights from the master ones (called on load and once after every weight update).
+    pack: allow oneDNN pre-packed float32 matrices (used only where packing_available())."""
     master = embed.dtype
-    if precision == "float32":  # the master tensors themselves: nothing to refresh, nothing duplicated
-        return GeneratorWeights(embed, layers, norm, head, head_bias, master)
+    if precision == "float32":  # the master tensors themselves, large matrices also pre-packed where possible
+        if not (pack and packing_available(embed.device)):
+            return GeneratorWeights(embed, layers, norm, head, head_bias, master)
+        players = []
+        for L in layers:
+            q = dict(L)
+            for k in _MATRICES:
+                bias = _BIASES.get(k)
+                q[k], b = _pack_large(L[k], L[bias] if bias else None)
+                if bias:
+                    q[bias] = b
+            players.append(q)
+        head, head_bias = _pack_large(head, head_bias)
+        return GeneratorWeights(embed, players, norm, head, head_bias, master)
     if precision == "int8":
         qlayers = []
         for L in layers:
