@@ -35,15 +35,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def strip_engine_flag(argv: list[str]) -> list[str]:
+    """`inflight serve --engine X ...` -> the same arguments without `--engine X` (for another engine's launcher)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--engine":
+            skip = True
+        elif not a.startswith("--engine="):
+            out.append(a)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from inflight.engine.vllm_backend.launcher import main as vllm_main, strip_engine_flag
+        from inflight.engine.vllm_backend.launcher import main as vllm_main
 
         return vllm_main(strip_engine_flag(args.raw_argv))
     if args.engine == "sglang":
-        from inflight.engine.sglang_backend.launcher import main as sglang_main, strip_engine_flag as strip
+        from inflight.engine.sglang_backend.launcher import main as sglang_main
 
-        return sglang_main(strip(args.raw_argv))
+        return sglang_main(strip_engine_flag(args.raw_argv))
     serve_app(build_app(args), args)
     return 0
 

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from inflight.engine.sglang_backend.launcher import build_command, parse, strip_engine_flag
+from inflight.engine.serve import strip_engine_flag
+from inflight.engine.sglang_backend.launcher import build_command, parse
 
 
 def test_command_maps_options_and_passes_the_rest():

@@ -3,7 +3,6 @@ resumed from the checkpoint takes the same 2 steps to the same weights (within 1
 optimizer state ends elsewhere (so the test can fail)."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +11,15 @@ import pytest
 import torch
 
 from inflight.pipeline import checkpoint as ckpt
+from tests.reliability.pipeline_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # ~35 s: two processes build three sharded trainers each
 def test_fsdp2_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     out, run = tmp_path / "rank0.pt", tmp_path / "run"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

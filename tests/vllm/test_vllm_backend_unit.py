@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from inflight.contracts import WeightUpdateRequest
 from inflight.engine.vllm_backend.engine import _at, _logprob_of
-from inflight.engine.vllm_backend.launcher import check_vllm_version, strip_engine_flag
+from inflight.engine.serve import strip_engine_flag
+from inflight.engine.vllm_backend.launcher import check_vllm_version
 from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs, safetensors_header
 from inflight.engine.weight_receiver import WeightUpdateError
 

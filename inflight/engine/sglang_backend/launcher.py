@@ -43,19 +43,6 @@ def build_command(args: argparse.Namespace, sglang_argv: list[str], python: str 
     return cmd + list(sglang_argv)
 
 
-def strip_engine_flag(argv: list[str]) -> list[str]:
-    """`inflight serve --engine sglang ...` -> the same arguments without `--engine sglang`."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--engine":
-            skip = True
-        elif not a.startswith("--engine="):
-            out.append(a)
-    return out
-
-
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="inflight serve --engine sglang", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -158,19 +158,6 @@ def run(args: argparse.Namespace, vllm_argv: list[str]) -> int:
     return 0
 
 
-def strip_engine_flag(argv: list[str]) -> list[str]:
-    """`inflight serve --engine vllm ...` -> the same arguments without `--engine vllm` (for main())."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--engine":
-            skip = True
-        elif not a.startswith("--engine="):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="inflight serve --engine vllm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
