@@ -6,6 +6,9 @@ for it, Ray restarts server1 when node_b comes back, and it serves again only wi
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 import pytest
 
@@ -50,10 +53,16 @@ def test_ray_two_nodes_with_node_loss(tiny_model_dir, tmp_path, ray_cluster, red
         assert httpx.post(url1 + "/request_weight_update", json={}, timeout=5).status_code == 401
 
         wait_for(lambda: latest_step(run) >= 2, p, 120, "two trainer steps")
-        ray_cluster.kill_node("node_b")
-        killed_at = latest_step(run)
-        assert killed_at < STEPS
-        wait_for(lambda: refused(url1), p, 30, "server1 gone with node_b")
+        # a step takes well under 0.1 s here: hold the trainer while node_b dies, so the loss lands mid-run
+        trainer_pid = records(run, "trainer_ready")[0]["pid"]
+        os.kill(trainer_pid, signal.SIGSTOP)
+        try:
+            killed_at = latest_step(run)
+            assert killed_at < STEPS
+            ray_cluster.kill_node("node_b")
+            wait_for(lambda: refused(url1), p, 30, "server1 gone with node_b")
+        finally:
+            os.kill(trainer_pid, signal.SIGCONT)
         ray_cluster.start_node("node_b")
         wait_for(lambda: records(run, "server_restart"), p, 120, "server1 restarted by Ray")
         _, err = p.communicate(timeout=240)

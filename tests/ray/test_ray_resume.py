@@ -18,7 +18,7 @@ from tests.reliability.pipeline_helpers import base_overrides, kill_group, lates
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-STEPS, GPS, G, MAX_LAG, KEY = 12, 2, 4, 1, "ray-test-key"
+STEPS, GPS, G, MAX_LAG, KEY = 30, 2, 4, 1, "ray-test-key"  # steps take 0.05-0.5 s: the kill lands mid-run
 
 
 def test_ray_trainer_killed_then_resume(tiny_model_dir, tmp_path, ray_cluster, redis_url):

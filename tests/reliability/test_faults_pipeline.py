@@ -52,8 +52,13 @@ def test_server_restart_and_trainer_stall(tiny_model_dir, tmp_path):
 
         # (a) SIGKILL server1: the launcher restarts it; it answers 503/refused until the trainer gave it the
         # current weights, then 200 with a version at least that of the trainer when it died
-        killed_at = latest_step(run)
-        os.kill(pids["server1"], signal.SIGKILL)
+        os.kill(pids["trainer"], signal.SIGSTOP)  # steps take < 0.1 s: hold the trainer so the kill lands mid-run
+        try:
+            killed_at = latest_step(run)
+            assert killed_at < STEPS
+            os.kill(pids["server1"], signal.SIGKILL)
+        finally:
+            os.kill(pids["trainer"], signal.SIGCONT)
         seen: list[tuple[int | None, int | None]] = []
         deadline = time.time() + 90
         while time.time() < deadline:

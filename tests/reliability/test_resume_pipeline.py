@@ -16,7 +16,7 @@ from tests.reliability.pipeline_helpers import (alive, base_overrides, kill_grou
 
 pytestmark = pytest.mark.slow
 
-STEPS, GPS, G, MAX_LAG = 14, 2, 4, 1  # steps take ~0.1-0.5 s: room for the kills to land mid-run
+STEPS, GPS, G, MAX_LAG = 30, 2, 4, 1  # steps take 0.05-0.5 s: room for the kills to land mid-run
 
 
 def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
