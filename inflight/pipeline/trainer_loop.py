@@ -185,6 +185,8 @@ class TrainerLoop:
                                     "entropy")},
             **opt, **lag, **version_mix(data.samples), "lag_hist": lag_hist,
             "group_indices": sorted({int(s.meta["group_index"]) for s in data.samples if "group_index" in s.meta}),
+            "task_ids": [t for _, t in sorted({(int(s.meta["group_index"]), s.task_id) for s in data.samples
+                                               if "group_index" in s.meta})],  # the prompt of each group index
             "reward_mean": sum(data.rewards) / len(data.rewards),
             "samples": len(data.samples), "samples_total": self.samples_trained,
             "tokens": n_tok, "micro_batches": len(stats),

@@ -35,7 +35,9 @@ def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
 
     # 2. resume; then SIGKILL every process of the run at once (launcher and each role's process group)
     p = launch(["--resume", str(run), *ports()])
-    wait_for(lambda: latest_step(run) >= first_ckpt + 3, p, 120, "steps after the first resume")
+    # (roles_started of this launch first: until then the file may still hold the rolled-back steps and old pids)
+    wait_for(lambda: len(records(run, "roles_started")) >= 2 and latest_step(run) >= first_ckpt + 3, p, 120,
+             "steps after the first resume")
     pids = records(run, "roles_started")[-1]["pids"]
     p.kill()
     for pid in pids.values():
@@ -59,6 +61,15 @@ def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
     assert [r["samples_total"] for r in steps] == [G * GPS * s for s in range(1, STEPS + 1)]
     # every prompt (group index) trained exactly once, in order: none repeated, none lost
     assert [r["group_indices"] for r in steps] == [[GPS * (s - 1) + j for j in range(GPS)] for s in range(1, STEPS + 1)]
+    # ... and group k answered the k-th prompt of the task's training order, across both resumes too
+    from itertools import islice
+
+    from inflight.config import RunConfig, load_config
+    from inflight.tasks import get_task
+
+    cfg = load_config(RunConfig, run / "config.yaml")
+    order = [t.id for t in islice(get_task(cfg.task).train_samples(cfg.seed), STEPS * GPS)]
+    assert [r["task_ids"] for r in steps] == [order[GPS * (s - 1):GPS * s] for s in range(1, STEPS + 1)]
     # the staleness bound held everywhere, right after each recovery too (AReaL's overrun would show here)
     assert all(0 <= r["lag_min"] and r["lag_max"] <= MAX_LAG for r in steps), [(r["step"], r["lag_max"]) for r in steps]
     for resumed in (first_ckpt, second_ckpt):
