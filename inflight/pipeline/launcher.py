@@ -136,6 +136,19 @@ def _failure_message(child: Child, tail_lines: int) -> str:
             + "".join(f"  | {line}\n" for line in child.tail(tail_lines).splitlines()))
 
 
+def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.CheckpointState | None]:
+    """What every launcher does first: check the config, find (resume) or start afresh the run folder, and save the
+    resolved config there. Returns (cfg, run_dir, checkpoint folder or None, its state or None)."""
+    check_config(cfg)
+    cfg = actor_config_for(cfg)
+    run_dir = run_dir_of(cfg)
+    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
+    if not resume:
+        fresh_run_dir(run_dir)
+    save_config(cfg, run_dir)
+    return cfg, run_dir, resume_from, state
+
+
 def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
     """The newest complete checkpoint of run_dir, checked against cfg; trainer records after it are moved to
     metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step)."""
@@ -177,13 +190,7 @@ def run_pipeline(cfg: Any, resume: bool = False) -> int:
         return run_pipeline_ray(cfg, resume=resume)
     if cfg.pipeline.launcher != "local":
         raise ValueError(f"pipeline.launcher must be 'local' or 'ray', got {cfg.pipeline.launcher!r}")
-    check_config(cfg)
-    cfg = actor_config_for(cfg)
-    run_dir = run_dir_of(cfg)
-    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
-    if not resume:
-        fresh_run_dir(run_dir)
-    save_config(cfg, run_dir)
+    cfg, run_dir, resume_from, state = open_run(cfg, resume)
     log = MetricsLogger(run_dir, "launcher")
     log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode,
             resumed_from=str(resume_from) if resume_from else None,

@@ -18,9 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from inflight.config import save_config
-from inflight.pipeline.launcher import (MAX_RESTARTS, actor_config_for, check_config, fresh_run_dir, prepare_resume,
-                                        run_dir_of, wait_healthy)
+from inflight.pipeline.launcher import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.supervise import RoleFailed, supervise
@@ -135,14 +133,8 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
     """`run_pipeline` on a Ray cluster: 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C."""
     from inflight.streams import make_stream
 
-    check_config(cfg)
     api_key = check_ray_config(cfg)
-    cfg = actor_config_for(cfg)
-    run_dir = run_dir_of(cfg)
-    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
-    if not resume:
-        fresh_run_dir(run_dir)
-    save_config(cfg, run_dir)
+    cfg, run_dir, resume_from, state = open_run(cfg, resume)
     cfg.server.api_key = api_key  # after saving: a key from the environment is not written to config.yaml
     connect(cfg.pipeline.ray_address)
     import ray

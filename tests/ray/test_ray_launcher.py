@@ -12,22 +12,13 @@ import signal
 import httpx
 import pytest
 
+from inflight.pipeline.restart import refused
 from tests.reliability.pipeline_helpers import base_overrides, kill_group, latest_step, launch, records, wait_for
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 STEPS, MAX_LAG, KEY = 40, 1, "ray-test-key"
-
-
-def refused(url: str) -> bool:
-    try:
-        httpx.get(url + "/health", timeout=1.0)
-        return False
-    except httpx.ConnectError:
-        return True
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.mark.timeout(420)
