@@ -164,8 +164,17 @@ class WeightReceiver:
         the next /init_process_group forms a new one."""
         received: dict[str, torch.Tensor] = {}
         try:
-            for p in params:
-                received[p.name] = self._receive(tuple(p.shape), specs[p.name][1])
+            # every receive is posted at once, in the announced order, then waited for: the waits release the GIL,
+            # while posting one receive at a time waited for the GIL between tensors (the engine thread holds it
+            # for up to the 5 ms switch interval), which made a 30-tensor update 10x slower on a busy server
+            bufs = [torch.empty(tuple(p.shape), dtype=specs[p.name][1], device=self.device) for p in params]
+            works = [self.group.broadcast([b], _bcast_opts(root=0)) for b in bufs]
+            try:
+                for p, buf, i in zip(params, bufs, range(len(works))):
+                    works[i].wait()
+                    received[p.name] = buf
+            finally:
+                works.clear()  # pending ops hold the group, which must go when it broke
         except Exception as e:  # gloo: connection closed / reset, or the group timeout
             n = len(received)
             received.clear()
@@ -175,11 +184,6 @@ class WeightReceiver:
                 f"({str(e).splitlines()[0][:200]}); nothing applied, weights stay at v{self.engine.version}; "
                 "POST /init_process_group again", status=409) from None
         return received
-
-    def _receive(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        self.group.broadcast([buf], _bcast_opts(root=0)).wait()
-        return buf
 
 
 def _numel(shape: list[int]) -> int:

@@ -186,14 +186,21 @@ class WeightSyncClient:
         return self._collect(posts, "request_weight_update")
 
     def _send_all(self, tensors: list[tuple[str, torch.Tensor]], generation: int) -> None:
-        """Broadcast every tensor. The group is read from self.group each time and never kept in a local: a frame or
-        a traceback holding it would keep its connections open after abort_group."""
+        """Broadcast every tensor: all posted at once, in order, then waited for (the waits release the GIL; one at a
+        time, each send waited for the GIL of a busy trainer first). The group is read from self.group and never
+        kept in a local: a frame or a traceback holding it would keep its connections open after abort_group."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        for i, (_, t) in enumerate(tensors):
-            if self._generation != generation or self.group is None:
-                raise WeightSyncError(f"weight group aborted after {i} of {len(tensors)} tensors")
-            self.group.broadcast([t], opts).wait()
+        if self._generation != generation or self.group is None:
+            raise WeightSyncError(f"weight group aborted before the first of {len(tensors)} tensors")
+        works = [self.group.broadcast([t], opts) for _, t in tensors]
+        try:
+            for i in range(len(works)):
+                if self._generation != generation:
+                    raise WeightSyncError(f"weight group aborted after {i} of {len(tensors)} tensors")
+                works[i].wait()
+        finally:
+            works.clear()  # a pending op holds the group: the traceback of an error must not keep it
 
     def abort_group(self, generation: int | None = None) -> None:
         """Drop our end of the weight group (only if it is still `generation`'s): its connections close and every
