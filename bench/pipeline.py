@@ -132,7 +132,7 @@ def read_run(run_dir: Path) -> dict:
         "samples_per_s": samples / wall if wall else None, "evals": evals,
         "first_acc": evals[0][1] if evals else None, "best_acc": max(a for _, a, _ in evals) if evals else None,
         "last_acc": evals[-1][1] if evals else None,
-        "trainer_busy": busy("train_s"), "trainer_wait": busy("wait_s"), "trainer_push": busy("push_s"),
+        "trainer_busy": busy("train_s"), "trainer_wait": busy("wait_s"), "trainer_push": busy("push_wait_s"),
         "server_running": statistics.mean(r["running"] for r in servers) if servers else None,
         "server_idle": sum(1 for r in servers if not r["running"]) / len(servers) if servers else None,
         "server_tok_s": statistics.mean(r["tokens_per_s"] for r in servers if r.get("tokens_per_s") is not None)

@@ -254,10 +254,10 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
     return derive_stats(s)
 
 
-def lag_stats(trainer_version: int, versions: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """min / mean / max of trainer_version − versions[t] over trained tokens (mask > 0); 0 when there are none."""
-    lag = (trainer_version - versions[mask > 0]).double()
-    if lag.numel() == 0:
-        return {"lag_min": 0.0, "lag_mean": 0.0, "lag_max": 0.0, "lag_tokens": 0.0}
-    return {"lag_min": float(lag.min()), "lag_mean": float(lag.mean()), "lag_max": float(lag.max()),
-            "lag_tokens": float(lag.numel())}
+def lag_stats(samples: list, weights_version: int) -> dict:
+    """min / mean / max / histogram of weights_version − the version of every trained completion token (a sample
+    without a prompt does not train its first token), over `samples` (contracts.Sample); zeros when none."""
+    lags = [weights_version - v for s in samples for v in s.versions[(0 if s.prompt_ids else 1):]]
+    return {"lag_min": min(lags, default=0), "lag_max": max(lags, default=0),
+            "lag_mean": sum(lags) / max(1, len(lags)), "lag_tokens": len(lags),
+            "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))}}

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
-from inflight.algo.losses import merge_stats
+from inflight.algo.losses import lag_stats, merge_stats
 from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
@@ -34,10 +34,6 @@ def broadcast_bytes(blobs: list[bytes] | None, rank: int) -> list[bytes]:
         out.append(raw[pos:pos + k])
         pos += k
     return out
-
-
-def token_lags(samples: list, weights_version: int) -> list[int]:
-    return [weights_version - v for s in samples for v in s.versions[(0 if s.prompt_ids else 1):]]
 
 
 class DistributedTrainerLoop(TrainerLoop):
@@ -86,14 +82,16 @@ class DistributedTrainerLoop(TrainerLoop):
         t_train = time.time() - t0 - wait_s
         samples = [s for g in everything for s in g]
         self.samples_trained += len(samples)
-        push_s, pause_s = 0.0, None
+        push_s = 0.0  # synchronous here: every rank takes part in the gather that feeds the push
         if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
             tp = time.time()
             if self.rank == 0:
                 res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
                 pauses = list((res.get("pause_s") or {}).values())
-                pause_s = max(pauses) if pauses else None
                 self.stream.publish_version(version)
+                self.log.log("weight_push", step=version, push_s=res.get("seconds"),
+                             pause_s=max(pauses) if pauses else None, published_after_s=time.time() - tp,
+                             server_version=version)
             else:
                 for _ in self.engine.named_weights():  # collective gather; rank 0 sends
                     pass
@@ -102,15 +100,12 @@ class DistributedTrainerLoop(TrainerLoop):
         if self.rank != 0:
             return {}
         self.stream.ack(self.stream.consumed - len(self.order))
-        lags = token_lags(samples, version - 1)
         n_tok = count_loss_tokens(samples)
         record = {
             "loss": stats.get("loss"), "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
-            "lag_min": min(lags, default=0), "lag_max": max(lags, default=0),
-            "lag_mean": sum(lags) / max(1, len(lags)), "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))},
-            **version_mix(samples), "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+            **lag_stats(samples, version - 1), **version_mix(samples), "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
             "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,
-            "wait_s": wait_s, "train_s": t_train, "push_s": push_s, "pause_s": pause_s,
+            "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_s,
             "step_s": time.time() - t0, "tokens_per_s": n_tok / max(t_train, 1e-9),
             "server_version": self.server_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,

@@ -122,10 +122,12 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
             axes[0].set(xlabel="wall time (s)", ylabel="server generated tokens/s")
             axes[1].set(xlabel="wall time (s)", ylabel="running sequences (batch occupancy)")
         elif name == "pause":
-            axes[0].plot(*run.series("train_step", "pause_s", x="step"), marker=".", label=run.name)
-            axes[0].set(xlabel="trainer step", ylabel="server pause per update (s)")
-            axes[1].plot(*run.series("train_step", "push_s", x="step"), marker=".", label=run.name)
-            axes[1].set(xlabel="trainer step", ylabel="weight push, trainer side (s)")
+            axes[0].plot(*run.series("weight_push", "pause_s", x="step"), marker=".", label=run.name)
+            axes[0].set(xlabel="weight version", ylabel="server pause per update (s)")
+            axes[1].plot(*run.series("weight_push", "push_s", x="step"), marker=".", label=f"{run.name} push")
+            axes[1].plot(*run.series("train_step", "push_wait_s", x="step"), marker=".", ls="",
+                         label=f"{run.name} trainer waiting for it")
+            axes[1].set(xlabel="trainer step", ylabel="weight push (s)")
         elif name == "trainer":
             axes[0].plot(*run.series("train_step", "tokens_per_s"), label=run.name)
             axes[0].set(xlabel="wall time (s)", ylabel="trainer tokens/s (training time only)")

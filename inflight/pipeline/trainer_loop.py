@@ -7,11 +7,21 @@ weights to every server -> version published on the stream. One loop for both mo
 Exactly `groups_per_step` groups make one optimizer step, oldest first (the stream is ordered). Micro-batches are
 packed and back-propagated while the step's groups are still arriving, except for token normalisation, which needs
 the step's token count first.
+
+Samples whose advantage is exactly 0 are not back-propagated when the loss has no KL or entropy term: every policy
+loss here multiplies its per-token term by A, so their gradient is exactly 0, and the denominators count the whole
+step either way (the gradient is the same, the work is not: at 80% accuracy most groups are all right). The loss
+stats (ratio, clip and mask fractions, ESS) then describe the trained samples; lag and reward stats, all of them.
+
+The push runs in the background: the next step collects and back-propagates its micro-batches while the weights go
+out, and only its optimizer step (the one thing that writes the weights being sent) waits for the push to end. The
+version is published the moment every server holds it. A push that failed stops the trainer at the next wait.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +48,8 @@ class StepData:
     samples: list[Sample] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
+    skipped: list[int] = field(default_factory=list)  # zero-advantage samples left out of the backward
+    trained: int = 0  # samples back-propagated
     groups: int = 0
     rewards: list[float] = field(default_factory=list)
 
@@ -51,6 +63,16 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
 
 
+@dataclass
+class _Push:
+    """A weight push running on its own thread; `box` gets "res" (the sync client's answer) or "err"."""
+
+    version: int
+    thread: threading.Thread
+    started: float
+    box: dict[str, Any] = field(default_factory=dict)
+
+
 class TrainerLoop:
     def __init__(self, cfg: Any, engine: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
                  ref_engine: Any = None, resume: CheckpointState | None = None):
@@ -62,10 +84,12 @@ class TrainerLoop:
         self.run_dir = Path(run_dir)
         self.ref_engine = ref_engine
         self.loss_fn = make_loss(cfg.algo)
+        self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
         self.samples_trained = 0
         self.started = time.time()
         self.server_version = 0
         self.order = StartOrder(hole_timeout_s=cfg.actor.request_timeout_s * (cfg.actor.retries + 1))
+        self._push: _Push | None = None  # the push in flight, if any
         self.resumed = resume
         if resume is not None:  # continue the counters and the start order where the checkpoint left them
             self.samples_trained = resume.samples_trained
@@ -107,8 +131,12 @@ class TrainerLoop:
             batch.ref_logprobs = self.ref_engine.forward_logprobs(batch)
         return batch
 
-    def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list, lags: list) -> None:
+    def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list) -> None:
         """Back-propagate the pending samples' full micro-batches (all of them when final)."""
+        if final and not data.trained and not data.pending and data.skipped:
+            # one sample (its gradient is 0) so that every parameter has a gradient: the optimizer step is then
+            # the same as with every sample trained (AdamW skips parameters without one)
+            data.pending.append(min(data.skipped, key=lambda i: len(data.samples[i])))
         budget = self.cfg.trainer.micro_batch_tokens
         lengths = [len(data.samples[i]) for i in data.pending]
         if not final and sum(lengths) < budget:
@@ -120,7 +148,7 @@ class TrainerLoop:
             idx = [data.pending[j] for j in b]
             batch = self._micro_batch(data, idx, n_seq, n_tok)
             stats.append(self.engine.backward(batch, self.loss_fn))
-            lags.append((batch.versions, batch.loss_mask))
+            data.trained += len(idx)
             done.update(idx)
         data.pending = [i for i in data.pending if i not in done]
 
@@ -128,7 +156,7 @@ class TrainerLoop:
         rewards = [[s.reward for s in g] for g in groups]
         for g, adv in zip(groups, adv_mod.compute_advantages(rewards, self.cfg.algo), strict=True):
             for s, a in zip(g, adv, strict=True):
-                data.pending.append(len(data.samples))
+                (data.skipped if a == 0.0 and self.skip_zero_advantage else data.pending).append(len(data.samples))
                 data.samples.append(s)
                 data.advantages.append(float(a))
                 data.rewards.append(s.reward)
@@ -138,12 +166,13 @@ class TrainerLoop:
         gps = self.cfg.actor.groups_per_step
         n_seq = gps * self.cfg.actor.group_size
         incremental = self.cfg.algo.normalization != "tokens"
-        data, stats, lags = StepData(), [], []
+        data, stats = StepData(), []
         t0 = time.time()
         wait_s = 0.0
         while data.groups < gps:
             groups = self.order.take(gps - data.groups, self.live_cap())
             if not groups:
+                self.settle_push(block=False)  # a push that failed ends the wait: no data comes without it
                 tw = time.time()
                 got = self.stream.get(gps, timeout_s=0.5)
                 self.order.add(got)
@@ -153,50 +182,73 @@ class TrainerLoop:
                 continue
             self._add_groups(data, groups)
             if incremental:
-                self._run(data, False, n_seq, 0, stats, lags)
+                self._run(data, False, n_seq, 0, stats)
         n_tok = count_loss_tokens(data.samples)
-        self._run(data, True, n_seq, n_tok, stats, lags)
+        self._run(data, True, n_seq, n_tok, stats)
+        tw = time.time()
+        self.settle_push(block=True)  # the optimizer writes the weights the previous push may still be reading
+        push_wait_s = time.time() - tw
         opt = self.engine.optimizer_step()
         version = self.engine.version
-        t_train = time.time() - t0 - wait_s
+        t_train = time.time() - t0 - wait_s - push_wait_s
 
-        # lag = version of the weights being trained (before this step) - version that generated the token
-        versions = torch.cat([v for v, _ in lags])
-        mask = torch.cat([m for _, m in lags])
-        lag = lag_stats(version - 1, versions, mask)
-        token_lags = (version - 1 - versions[mask > 0]).tolist()
-        lag_hist = {str(k): token_lags.count(k) for k in sorted(set(token_lags))}
         self.samples_trained += len(data.samples)
         self.stream.ack(self.stream.consumed - len(self.order))  # buffered groups are not used yet
 
-        push_s, pause_s = 0.0, None
         if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
-            tp = time.time()
-            res = self.push(version)
-            push_s = time.time() - tp
-            pauses = list((res.get("pause_s") or {}).values())
-            pause_s = max(pauses) if pauses else None  # the slowest server's pause
-            self.stream.publish_version(version)
-            self.server_version = version
+            self.start_push(version)
         step_s = time.time() - t0
         loss = merge_stats(stats)
         record = {
             **{k: loss[k] for k in ("loss", "ratio_mean", "ratio_max", "clip_frac", "mask_frac", "ess", "kl",
                                     "entropy")},
-            **opt, **lag, **version_mix(data.samples), "lag_hist": lag_hist,
+            # lag = version of the weights being trained (before this step) - version that generated the token
+            **opt, **lag_stats(data.samples, version - 1), **version_mix(data.samples),
             "group_indices": sorted({int(s.meta["group_index"]) for s in data.samples if "group_index" in s.meta}),
             "task_ids": [t for _, t in sorted({(int(s.meta["group_index"]), s.task_id) for s in data.samples
                                                if "group_index" in s.meta})],  # the prompt of each group index
             "reward_mean": sum(data.rewards) / len(data.rewards),
             "samples": len(data.samples), "samples_total": self.samples_trained,
-            "tokens": n_tok, "micro_batches": len(stats),
-            "wait_s": wait_s, "train_s": t_train, "push_s": push_s, "pause_s": pause_s, "step_s": step_s,
+            "tokens": n_tok, "micro_batches": len(stats), "trained_samples": data.trained,
+            "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_wait_s, "step_s": step_s,
             "tokens_per_s": n_tok / max(t_train, 1e-9), "server_version": self.server_version,
             "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
         self.log.log("train_step", step=version, **record)
         return record
+
+    # -- weights to the servers, in the background ------------------------------------------------------------------
+    def start_push(self, version: int) -> None:
+        """Push the current weights as `version` on a thread; the version is published once every server has it."""
+        self.settle_push(block=True)
+
+        def target() -> None:
+            try:
+                push.box["res"] = self.push(version)
+                self.stream.publish_version(version)
+                self.server_version = version
+                push.box["done"] = time.time()
+            except BaseException as exc:  # raised in the loop's thread by settle_push
+                push.box["err"] = exc
+
+        push = _Push(version, threading.Thread(target=target, name=f"push-bg-v{version}", daemon=True), time.time())
+        self._push = push
+        push.thread.start()
+
+    def settle_push(self, block: bool) -> None:
+        """Collect the push in flight once it is done (or wait for it): log it, or raise the error that ended it."""
+        push = self._push
+        if push is None or (not block and push.thread.is_alive()):
+            return
+        push.thread.join()
+        self._push = None
+        if "err" in push.box:
+            raise push.box["err"]
+        pauses = list((push.box["res"].get("pause_s") or {}).values())
+        self.log.log("weight_push", step=push.version, push_s=push.box["res"].get("seconds"),
+                     pause_s=max(pauses) if pauses else None,  # the slowest server's pause
+                     published_after_s=push.box["done"] - push.started, server_version=self.server_version)
 
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
     def push(self, version: int) -> dict:
@@ -282,10 +334,10 @@ class TrainerLoop:
                     self.checkpoint()
         except StopTraining:
             pass
+        self.settle_push(block=True)
         if self.server_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
-            self.push(self.engine.version)
-            self.stream.publish_version(self.engine.version)
-            self.server_version = self.engine.version
+            self.start_push(self.engine.version)
+            self.settle_push(block=True)
         self.checkpoint(final=True)
         self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,
                      elapsed_s=time.time() - self.started)

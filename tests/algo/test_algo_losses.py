@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inflight.algo import AlgoConfig, lag_stats, make_loss, merge_stats
-from inflight.contracts import TrainBatch
+from inflight.contracts import Sample, TrainBatch
 
 torch.set_num_threads(1)
 INF = float("inf")
@@ -311,14 +311,17 @@ def test_clear_errors():
 
 
 def test_lag_stats():
-    versions = torch.tensor([-1, -1, 3, 3, 5, -1, 6, 6, 6])
-    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0.0])
+    def sample(prompt: int, versions: list[int]) -> Sample:
+        return Sample(group_id="g", prompt_ids=[1] * prompt, completion_ids=[2] * len(versions),
+                      logprobs=[0.0] * len(versions), versions=versions)
+
+    # no prompt: the first completion token is not trained, so its version (0) does not count
+    got = lag_stats([sample(2, [3, 3, 5]), sample(0, [0, 6, 6])], 6)
+    assert got == {"lag_min": 0, "lag_mean": (3 + 3 + 1 + 0 + 0) / 5, "lag_max": 3, "lag_tokens": 5,
+                   "lag_hist": {"0": 2, "1": 1, "3": 2}}
     rng = random.Random(0)
-    assert lag_stats(6, versions, mask) == {"lag_min": 0.0, "lag_mean": (3 + 3 + 1 + 0 + 0) / 5, "lag_max": 3.0,
-                                            "lag_tokens": 5.0}
-    v = [rng.randint(0, 9) for _ in range(40)]
-    m = [rng.random() < 0.5 for _ in range(40)]
-    lags = [9 - v[i] for i in range(40) if m[i]]
-    got = lag_stats(9, torch.tensor(v), torch.tensor(m, dtype=torch.float32))
+    vs = [[rng.randint(0, 9) for _ in range(rng.randint(1, 6))] for _ in range(10)]
+    lags = [9 - v for row in vs for v in row]
+    got = lag_stats([sample(1, row) for row in vs], 9)
     assert got["lag_mean"] == pytest.approx(sum(lags) / len(lags)) and got["lag_max"] == max(lags)
-    assert lag_stats(2, versions, torch.zeros(9))["lag_tokens"] == 0
+    assert lag_stats([], 2)["lag_tokens"] == 0

@@ -72,7 +72,9 @@ def test_pipelined_run(tiny_model_dir, tmp_path, update_mode):
     assert max(r["lag_max"] for r in steps) >= 1
     hist = {int(k) for r in steps for k in r["lag_hist"]}
     assert hist <= {0, 1, 2}
-    assert all(r["push_s"] > 0 and r["server_version"] == r["step"] for r in steps)  # pushed after every step
+    pushes = records(tmp_path / "pipe", "weight_push")  # pushed after every step, each reaching both servers
+    assert [r["step"] for r in pushes] == list(range(1, 9))
+    assert all(r["push_s"] > 0 and r["server_version"] == r["step"] for r in pushes)
 
 
 def test_sync_run_lag_pattern(tiny_model_dir, tmp_path):
@@ -84,7 +86,7 @@ def test_sync_run_lag_pattern(tiny_model_dir, tmp_path):
     # the conventional loop: one round of n steps per weight version, lag 0, 1, ..., n-1 within each round
     assert [(r["lag_min"], r["lag_max"]) for r in steps] == [(k % n, k % n) for k in range(6)]
     assert sum(r["mixed_version_samples"] for r in steps) == 0  # weights never change under a sequence
-    assert [r["server_version"] for r in steps] == [0, 0, 3, 3, 3, 6]
+    assert [r["step"] for r in records(tmp_path / "sync", "weight_push")] == [3, 6]  # once per round
 
 
 def _alive(pid: int) -> bool:
