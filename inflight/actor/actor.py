@@ -117,6 +117,7 @@ class Actor:
         self._done: list[tuple[int, Group]] = []  # completed, not yet in the stream
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
+        self._seen_version = -1
 
     # ------------------------------------------------------------------------------------------------ one group
     def bound(self, trainer_version: int) -> int:
@@ -196,7 +197,7 @@ class Actor:
             if stop_event is not None and stop_event.is_set():
                 stopped = True
                 break
-            tv = self.stream.trainer_version()
+            tv = self._seen_version = self.stream.trainer_version()
             if self.cfg.eval_every > 0 and tv >= 0 and (last_eval is None or tv >= last_eval + self.cfg.eval_every):
                 if eval_task is None or eval_task.done():
                     last_eval = tv
@@ -262,7 +263,8 @@ class Actor:
             self.metrics_sink({"kind": "eval", **res})
 
     def _report(self) -> dict[str, Any]:
-        snap: dict[str, Any] = {**self.metrics.snapshot(), **self.pool.stats()}
+        # trainer_version: the version the bound used last (the trainer's published one, after its push)
+        snap: dict[str, Any] = {**self.metrics.snapshot(), **self.pool.stats(), "trainer_version": self._seen_version}
         if self.metrics_sink is not None:
             self.metrics_sink({"kind": "actor", **snap})
         return snap

@@ -19,6 +19,7 @@ class ActorConfig:
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     eval_temperature: float = 0.0
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
+    eval_priority: int = 1  # built-in servers start waiting rollouts (priority 0) before evaluation requests
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     overlong_penalty: float = 0.0

@@ -38,11 +38,14 @@ async def evaluate(
         raise ValueError(f"task '{task.name}' has no held-out problems")
     client = RolloutClient(pool, cfg, model)
     max_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+    # stock vLLM / SGLang reject a priority unless started with priority scheduling
+    extra = {"priority": cfg.eval_priority} if cfg.adapter == "builtin" and cfg.eval_priority else {}
     t0 = time.monotonic()
 
     async def one(ts: TaskSample):
         try:
-            return (await client.chat(ts.messages, n=1, max_tokens=max_tokens, temperature=cfg.eval_temperature))[0]
+            return (await client.chat(ts.messages, n=1, max_tokens=max_tokens, temperature=cfg.eval_temperature,
+                                      **extra))[0]
         except Exception:
             return None
 

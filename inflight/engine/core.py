@@ -284,10 +284,20 @@ class InferenceEngine:
             self._st["paused_seconds_total"] += time.perf_counter() - t0
 
     def _admit(self) -> None:
-        while self._waiting and len(self._free) >= self._waiting[0].params.n:
-            req = self._waiting.popleft()
+        """Start waiting requests, lowest `priority` first (then arrival), while the first one's n choices fit: a
+        request never waits behind later or less urgent ones that happen to be smaller."""
+        if not self._waiting:
+            return
+        order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
+        k = 0
+        while k < len(order) and len(self._free) >= order[k].params.n:
+            req = order[k]
             req.seqs = [_Seq(req, i, heapq.heappop(self._free)) for i in range(req.params.n)]
             self._running.extend(req.seqs)
+            k += 1
+        if k:
+            started = set(map(id, order[:k]))
+            self._waiting = collections.deque(r for r in self._waiting if id(r) not in started)
 
     def _emit(self, req: _Request, ev: TokenEvent) -> None:
         self._out.setdefault(req, []).append(ev)

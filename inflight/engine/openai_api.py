@@ -53,6 +53,8 @@ class _Sampling(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list, description="extension")
     ignore_eos: bool = Field(default=False, description="extension")
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1,
+                          description="extension, as vLLM's: a waiting request with a lower value starts first")
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -33,6 +33,7 @@ class SamplingParams:
     n: int = 1
     top_logprobs: int = 0
     ignore_eos: bool = False
+    priority: int = 0  # admission order among waiting requests: lower first, then arrival
 
     def check(self, max_n: int) -> None:
         """Raises ValueError naming the first bad field."""

@@ -116,6 +116,32 @@ def test_queueing_slot_reuse_and_chunking(tiny_model_dir, ref64):
             assert_logprobs_match(ref64, p, c)
 
 
+def test_lower_priority_value_starts_first(tiny_model_dir):
+    """Slots full: waiting requests start by priority (lower first), arrival order within one; a waiting request
+    whose n does not fit yet is not overtaken by smaller ones behind it."""
+    eng = fresh_engine(tiny_model_dir, max_batch=4)
+    started: list[str] = []
+
+    async def one(rid: str, n: int, priority: int, max_tokens: int = 3):
+        async for ev in eng.generate(rid, ids(4, start=3), SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True,
+                                                                           priority=priority)):
+            if rid not in started:
+                started.append(rid)
+
+    async def main():
+        blocker = asyncio.ensure_future(one("busy", 4, 0, max_tokens=40))  # holds every slot for 40 steps
+        while "busy" not in started:
+            await asyncio.sleep(0.001)
+        queued = [("eval-a", 1, 1), ("eval-b", 1, 1), ("train", 4, 0), ("eval-c", 1, 1), ("urgent", 1, -1)]
+        await asyncio.gather(blocker, *(one(*q) for q in queued))
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.stop()
+    assert started == ["busy", "urgent", "train", "eval-a", "eval-b", "eval-c"], started
+
+
 def test_n_samples_share_prefill_and_match(engine, ref64):
     prompt = PROMPTS[1]
     before = engine.stats()["prefill_tokens_total"]
