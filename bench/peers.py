@@ -7,6 +7,9 @@ spread (min-max) over the repeats.
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
     .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
 
+A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
+threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
+
 Per run: samples/s (samples trained between the first and the last optimizer step / the time between them),
 seconds and samples to the first held-out evaluation >= --target (clock from the moment generation can start:
 inflight's `roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached,
@@ -118,14 +121,14 @@ def free_port() -> int:
 # ---- runs -----------------------------------------------------------------------------------------------------
 
 def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
-                 run_dir: Path) -> dict:
+                 run_dir: Path, extra: list[str]) -> dict:
     config = {"pipelined": "configs/cpu-demo.yaml", "sync": "configs/cpu-sync.yaml"}[mode]
-    name = f"peers-{mode}-{tag}"
+    name = f"peers-{mode}-{tag}" + "".join(f"-{e.replace('=', '')}" for e in extra)
     cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
            f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
            'task.prompt="{expr}="', f"actor.eval_every={eval_every}", "pipeline.progress=false",
            "pipeline.tensorboard=false",
-           f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}"]
+           f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}", *extra]
     sh(cmd, stdout=subprocess.DEVNULL)
     recs = [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
     t0 = next(r["time"] for r in recs if r.get("event") == "roles_started")
@@ -144,7 +147,7 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
 
 def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
             threads: int) -> dict:
-    out = run_dir / f"peers-trl-{tag}.jsonl"
+    out = run_dir / f"peers-trl{threads}-{tag}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
            str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every)]
@@ -204,7 +207,9 @@ def main() -> None:
         setup_model(args.model)
         return
     systems = args.systems.split(",")
-    if "trl" in systems and not TRL_PY.exists():
+    if any(s.split(":")[0] not in ("trl", "pipelined", "sync") for s in systems):
+        sys.exit(f"--systems: each one is trl, pipelined or sync (with :settings), not {args.systems!r}")
+    if any(s.startswith("trl") for s in systems) and not TRL_PY.exists():
         sys.exit(f"TRL venv missing at {TRL_PY}: run `{PY} bench/peers.py --setup` first")
     if not (args.model / "config.json").exists():
         sys.exit(f"model {args.model} missing: run `{PY} bench/peers.py --setup` first")
@@ -229,9 +234,11 @@ def main() -> None:
     for r in range(args.repeats):
         for system in systems:  # A B C A B C: every system sees the same drift of the machine's load
             tag = f"r{r}"
-            res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, args.trl_threads)
-                   if system == "trl" else
-                   run_inflight(system, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir))
+            kind, *extra = system.split(":")
+            res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir,
+                           int(extra[0]) if extra else args.trl_threads)
+                   if kind == "trl" else
+                   run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra))
             cmds[system] = res["cmd"]
             runs[system].append(res)
             print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",
@@ -248,7 +255,8 @@ def main() -> None:
             f"samples to {args.target:.0%}", "acc at start", f"acc at {common} samples", "best acc",
             "final acc (HF eval)", "matmul peak share"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    trl_rate = statistics.median(x["samples_per_s"] for x in table["trl"]) if "trl" in table else None
+    trls = [s for s in table if s.startswith("trl")]  # the baseline: the fastest TRL setting that ran
+    trl_rate = max(statistics.median(x["samples_per_s"] for x in table[s]) for s in trls) if trls else None
     for s, rs in table.items():
         rate = [x["samples_per_s"] for x in rs]
         ratio = fmt([v / trl_rate for v in rate], ".2f") + "x" if trl_rate else "-"
