@@ -6,6 +6,7 @@ spread (min-max) over the repeats.
 
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
     .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
+    .venv/bin/python bench/peers.py --setup --size small --model .cache/peers/models/warm-small   # 6.4M model
 
 A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
 threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
@@ -65,14 +66,15 @@ def setup_trl() -> None:
               f"torch=={torch.__version__.split('+')[0]}"])
 
 
-def setup_model(model: Path) -> None:
-    """The demo's warm start: a random tiny model, SFT to 30% held-out greedy accuracy on the short prompt."""
+def setup_model(model: Path, size: str = "tiny") -> None:
+    """The demo's warm start: a random model (the demo's tiny one by default), SFT to 30% held-out greedy accuracy
+    on the short prompt."""
     if (model / "config.json").exists():
         return
     base = model.parent / (model.name + "-base")
     inflight = str(Path(PY).parent / "inflight")
     if not (base / "config.json").exists():
-        sh([inflight, "make-model", "--task", "arith", str(base)])
+        sh([inflight, "make-model", "--task", "arith", "--size", size, str(base)])
     sh([inflight, "sft", "--task", "arith", "--model", str(base), "--out", str(model), "--wrong-frac", "0",
         "--target-acc", "0.3", "--micro-batch-tokens", "4096", "trainer.threads=1", 'task.prompt="{expr}="'])
 
@@ -201,10 +203,11 @@ def main() -> None:
                          "oversubscribed machine 2 threads made TRL 16x slower (OpenMP barriers)")
     ap.add_argument("--run-dir", type=Path, default=CACHE / "runs")
     ap.add_argument("--setup", action="store_true", help="build the TRL venv and the warm model if missing, then exit")
+    ap.add_argument("--size", default="tiny", help="with --setup: the model size to build (inflight make-model)")
     args = ap.parse_args()
     if args.setup:
         setup_trl()
-        setup_model(args.model)
+        setup_model(args.model, args.size)
         return
     systems = args.systems.split(",")
     if any(s.split(":")[0] not in ("trl", "pipelined", "sync") for s in systems):

@@ -12,9 +12,12 @@ STAMP="$VENV/.inflight-vllm-ready"
 # TEST-ONLY gloo weight-transfer backend, a vLLM general plugin (tests/vllm/gloo_transfer/): lets a stock server run
 # vLLM's native weight-update routes on CPU. Checked on every run so an existing venv gains it.
 GLOO_PLUGIN_OK='from importlib.metadata import entry_points as e; import sys; sys.exit(not any(p.name == "inflight_gloo_transfer" for p in e(group="vllm.general_plugins")))'
+# inflight's own dependencies that vllm does not bring (inflight is installed with --no-deps, below)
+EXTRA_DEPS=(orjson)
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     "$VENV/bin/python" -c "$GLOO_PLUGIN_OK" 2>/dev/null || \
         "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
+    "$VENV/bin/python" -c "import orjson" 2>/dev/null || "$VENV/bin/pip" install -q "${EXTRA_DEPS[@]}"
     echo "vllm test venv ready: $VENV"; exit 0
 fi
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
@@ -29,6 +32,7 @@ PIP=("$VENV/bin/pip" install -q)
 # inflight itself, without its dependencies (vllm brings fastapi/pydantic/safetensors/transformers; we must not
 # let pip touch vllm's pins). Editable, so the server sees the working tree.
 "${PIP[@]}" --no-deps -e .
+"${PIP[@]}" "${EXTRA_DEPS[@]}"
 "${PIP[@]}" --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
 "$VENV/bin/python" -c "import vllm, inflight.engine.vllm_backend, inflight_gloo_transfer; print('vllm', vllm.__version__)"
 touch "$STAMP"

@@ -131,7 +131,7 @@ class Actor:
 
     async def _run_group(self, index: int, ts: TaskSample, start_version: int) -> None:
         try:
-            samples = await self.rollout(ts, self.client, self.cfg)
+            samples = await self.rollout(ts, self.client.for_group(self.oldest_version(index)), self.cfg)
             if not samples:
                 raise RuntimeError("the rollout returned no samples")
             items = [
@@ -152,6 +152,11 @@ class Actor:
         finally:
             if self._wake is not None:
                 self._wake.set()
+
+    def oldest_version(self, index: int) -> int:
+        """The oldest weights group `index` may be sampled from: it is trained on weights index // groups_per_step,
+        so its tokens must be at most max_lag versions older (0 = any)."""
+        return max(0, index // self.cfg.groups_per_step - self.cfg.max_lag) if self.cfg.gated else 0
 
     def _start_group(self, trainer_version: int) -> asyncio.Task:
         index = self.metrics.groups_started

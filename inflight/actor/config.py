@@ -20,7 +20,16 @@ class ActorConfig:
     eval_temperature: float = 0.0
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     eval_priority: int = 1  # built-in servers start waiting rollouts (priority 0) before evaluation requests
+    # requests carry min_weight_version (the oldest weights the staleness bound allows), which inflight's servers
+    # honour by holding the request until they have it; the trainer then publishes a version as soon as it is
+    # trained, not after its push (set false for a server that ignores the field; off for adapter vllm | sglang)
+    version_gate: bool = True
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     overlong_penalty: float = 0.0
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
+
+    @property
+    def gated(self) -> bool:
+        """Whether the servers enforce the staleness bound per request (min_weight_version)."""
+        return self.version_gate and self.adapter == "builtin"

@@ -37,12 +37,18 @@ from inflight.contracts import Sample, TaskSample
 
 
 class RolloutClient:
-    """What a rollout sees of the inference servers: chat requests with the run's sampling settings."""
+    """What a rollout sees of the inference servers: chat requests with the run's sampling settings. The actor
+    gives each group its own client (`for_group`) carrying the oldest weight version the group's tokens may come
+    from; built-in servers hold a request until they have it (`min_weight_version`)."""
 
-    def __init__(self, pool: ServerPool, cfg: ActorConfig, model: str | None = None):
+    def __init__(self, pool: ServerPool, cfg: ActorConfig, model: str | None = None, min_version: int = 0):
         self.pool = pool
         self.cfg = cfg
         self.model = model  # None: the name the servers report, looked up on the first request
+        self.min_version = min_version
+
+    def for_group(self, min_version: int) -> "RolloutClient":
+        return RolloutClient(self.pool, self.cfg, self.model, min_version)
 
     async def chat(
         self,
@@ -68,6 +74,8 @@ class RolloutClient:
         }
         if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
             payload.setdefault("return_token_ids", True)
+        elif self.min_version > 0:
+            payload["min_weight_version"] = self.min_version
         completions = await self.pool.chat(payload)
         if len(completions) != n:
             raise RuntimeError(f"asked for n={n} choices, the server returned {len(completions)}")

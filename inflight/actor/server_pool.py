@@ -71,6 +71,7 @@ class ServerPool:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._max_connections = concurrency_per_server * len(urls) + 8
         self._http: aiohttp.ClientSession | None = None  # created inside the running loop, on first use
+        self._model: str | None = None
         self._changed: asyncio.Condition | None = None  # created lazily inside the running loop
 
     @property
@@ -173,14 +174,17 @@ class ServerPool:
         raise RequestFailed(f"request failed after {self.retries + 1} attempts; last error: {error}")
 
     async def model_name(self) -> str:
-        """The model id the servers serve (GET /v1/models of the first server that answers)."""
+        """The model id the servers serve (GET /v1/models of the first server that answers; asked once)."""
+        if self._model is not None:
+            return self._model
         error = ""
         for s in sorted(self.servers, key=lambda s: not s.healthy):
             try:
                 status, body = await self._get(s.url + "/v1/models")
                 if status != 200:
                     raise ValueError(f"HTTP {status}: {body[:200].decode(errors='replace')}")
-                return str(orjson.loads(body)["data"][0]["id"])
+                self._model = str(orjson.loads(body)["data"][0]["id"])
+                return self._model
             except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as exc:
                 error = f"{s.url}: {type(exc).__name__}: {exc}"
         raise RequestFailed(f"no server told its model name; last error: {error}")

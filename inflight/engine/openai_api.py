@@ -55,6 +55,9 @@ class _Sampling(_Lenient):
     ignore_eos: bool = Field(default=False, description="extension")
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1,
                           description="extension, as vLLM's: a waiting request with a lower value starts first")
+    min_weight_version: int | None = Field(default=None, ge=0, le=2**62, description=(
+        "extension: the request waits until the server holds at least this weight version, so that no token of it "
+        "comes from older weights (the actor's staleness bound then needs no round trip after a push)"))
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -247,7 +247,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_new,
             stop_token_ids=list(req.stop_token_ids), seed=req.seed, n=req.n,
             top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,  # type: ignore[attr-defined]
-            priority=req.priority,
+            priority=req.priority, min_version=req.min_weight_version or 0,
         )
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)

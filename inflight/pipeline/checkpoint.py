@@ -41,7 +41,7 @@ class CheckpointState:
     samples_trained: int
     next_group: int  # stream / prompt position: the first group index not trained
     skipped_groups: list[int] = field(default_factory=list)  # indices < next_group the actor gave up on
-    server_version: int = 0  # version the servers held (sync mode may lag the trainer)
+    server_version: int = 0  # version published to the actor (sync mode may lag the trainer)
     elapsed_s: float = 0.0  # training time before this checkpoint (max_minutes counts across resumes)
     groups_per_step: int = 0
     group_size: int = 0

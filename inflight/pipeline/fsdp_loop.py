@@ -90,13 +90,12 @@ class DistributedTrainerLoop(TrainerLoop):
                 pauses = list((res.get("pause_s") or {}).values())
                 self.stream.publish_version(version)
                 self.log.log("weight_push", step=version, push_s=res.get("seconds"),
-                             pause_s=max(pauses) if pauses else None, published_after_s=time.time() - tp,
-                             server_version=version)
+                             pause_s=max(pauses) if pauses else None, published_after_s=time.time() - tp)
             else:
                 for _ in self.engine.named_weights():  # collective gather; rank 0 sends
                     pass
             push_s = time.time() - tp
-            self.server_version = version
+            self.published_version = version
         if self.rank != 0:
             return {}
         self.stream.ack(self.stream.consumed - len(self.order))
@@ -107,7 +106,7 @@ class DistributedTrainerLoop(TrainerLoop):
             "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,
             "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_s,
             "step_s": time.time() - t0, "tokens_per_s": n_tok / max(t_train, 1e-9),
-            "server_version": self.server_version, "skipped_groups": len(self.order.skipped),
+            "published_version": self.published_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
         self.log.log("train_step", step=version, **record)
@@ -135,9 +134,9 @@ class DistributedTrainerLoop(TrainerLoop):
     def run(self) -> None:
         if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
             self._send_weights(self.engine.version)
-            self.server_version = self.engine.version
+            self.published_version = self.engine.version
         if self.rank == 0:
-            self.stream.publish_version(self.server_version)
+            self.stream.publish_version(self.published_version)
         try:
             while True:
                 self.step()
@@ -146,7 +145,7 @@ class DistributedTrainerLoop(TrainerLoop):
                     self.checkpoint()
         except StopTraining:
             pass
-        if self.server_version != self.engine.version:  # sync mode mid-round
+        if self.published_version != self.engine.version:  # sync mode mid-round
             self._send_weights(self.engine.version)
             if self.rank == 0:
                 self.stream.publish_version(self.engine.version)

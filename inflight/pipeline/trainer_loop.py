@@ -14,8 +14,11 @@ step either way (the gradient is the same, the work is not: at 80% accuracy most
 stats (ratio, clip and mask fractions, ESS) then describe the trained samples; lag and reward stats, all of them.
 
 The push runs in the background: the next step collects and back-propagates its micro-batches while the weights go
-out, and only its optimizer step (the one thing that writes the weights being sent) waits for the push to end. The
-version is published the moment every server holds it. A push that failed stops the trainer at the next wait.
+out, and only its optimizer step (the one thing that writes the weights being sent) waits for the push to end. A push
+that failed stops the trainer at the next wait. The version the actor's staleness bound counts from is published
+once every server holds it, or, with the version gate (`actor.gated`: the actor's requests carry the oldest weight
+version they may be sampled from, and inflight's servers hold a request until they have it), right after the
+optimizer step: the next groups then wait at the servers instead of for the push's answers and a round trip.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class TrainerLoop:
         self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
         self.samples_trained = 0
         self.started = time.time()
-        self.server_version = 0
+        self.published_version = 0
         self.order = StartOrder(hole_timeout_s=cfg.actor.request_timeout_s * (cfg.actor.retries + 1))
         self._push: _Push | None = None  # the push in flight, if any
         self.resumed = resume
@@ -116,7 +119,7 @@ class TrainerLoop:
         from inflight.actor.run import pipeline_limits
 
         a = self.cfg.actor
-        cap = (self.server_version + a.max_lag + 1) * a.groups_per_step
+        cap = (self.published_version + a.max_lag + 1) * a.groups_per_step
         limit = pipeline_limits(self.cfg)[0]
         return min(cap, limit) if limit else cap
 
@@ -196,6 +199,8 @@ class TrainerLoop:
         self.stream.ack(self.stream.consumed - len(self.order))  # buffered groups are not used yet
 
         if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
+            if self.cfg.actor.gated:  # the servers hold each request until they have its version: publish now
+                self.publish(version)
             self.start_push(version)
         step_s = time.time() - t0
         loss = merge_stats(stats)
@@ -211,7 +216,7 @@ class TrainerLoop:
             "samples": len(data.samples), "samples_total": self.samples_trained,
             "tokens": n_tok, "micro_batches": len(stats), "trained_samples": data.trained,
             "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_wait_s, "step_s": step_s,
-            "tokens_per_s": n_tok / max(t_train, 1e-9), "server_version": self.server_version,
+            "tokens_per_s": n_tok / max(t_train, 1e-9), "published_version": self.published_version,
             "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
@@ -219,6 +224,11 @@ class TrainerLoop:
         return record
 
     # -- weights to the servers, in the background ------------------------------------------------------------------
+    def publish(self, version: int) -> None:
+        """The version the actor's staleness bound counts from (and the trainer's start-order cap)."""
+        self.stream.publish_version(version)
+        self.published_version = version
+
     def start_push(self, version: int) -> None:
         """Push the current weights as `version` on a thread; the version is published once every server has it."""
         self.settle_push(block=True)
@@ -226,8 +236,8 @@ class TrainerLoop:
         def target() -> None:
             try:
                 push.box["res"] = self.push(version)
-                self.stream.publish_version(version)
-                self.server_version = version
+                if not self.cfg.actor.gated:
+                    self.publish(version)
                 push.box["done"] = time.time()
             except BaseException as exc:  # raised in the loop's thread by settle_push
                 push.box["err"] = exc
@@ -248,7 +258,7 @@ class TrainerLoop:
         pauses = list((push.box["res"].get("pause_s") or {}).values())
         self.log.log("weight_push", step=push.version, push_s=push.box["res"].get("seconds"),
                      pause_s=max(pauses) if pauses else None,  # the slowest server's pause
-                     published_after_s=push.box["done"] - push.started, server_version=self.server_version)
+                     published_after_s=push.box["done"] - push.started)
 
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
     def push(self, version: int) -> dict:
@@ -309,7 +319,7 @@ class TrainerLoop:
         return CheckpointState(
             step=self.engine.version, version=self.engine.version, samples_trained=self.samples_trained,
             next_group=self.order.next_index, skipped_groups=list(self.order.skipped),
-            server_version=self.server_version, elapsed_s=time.time() - self.started,
+            server_version=self.published_version, elapsed_s=time.time() - self.started,
             groups_per_step=a.groups_per_step, group_size=a.group_size, seed=self.cfg.seed)
 
     def checkpoint(self, final: bool = False) -> Path:
@@ -324,8 +334,8 @@ class TrainerLoop:
     def run(self) -> None:
         if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
             self.push(self.engine.version)
-            self.server_version = self.engine.version
-        self.stream.publish_version(self.server_version)  # the servers hold these weights: the actor may start
+            self.published_version = self.engine.version
+        self.publish(self.published_version)  # the servers hold these weights: the actor may start
         every = self.cfg.pipeline.checkpoint_every
         try:
             while not self.done():
@@ -335,9 +345,10 @@ class TrainerLoop:
         except StopTraining:
             pass
         self.settle_push(block=True)
-        if self.server_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
+        if self.published_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
             self.start_push(self.engine.version)
             self.settle_push(block=True)
+            self.publish(self.engine.version)
         self.checkpoint(final=True)
         self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,
                      elapsed_s=time.time() - self.started)

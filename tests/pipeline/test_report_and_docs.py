@@ -23,7 +23,7 @@ def _fake_run(run_dir, steps: int, acc0: float, gain: float) -> None:
         trainer.log("train_step", step=k, reward_mean=0.1 * k, samples_total=32 * k, elapsed_s=float(k),
                     lag_max=k % 2, lag_mean=0.5, lag_hist={"0": 10, "1": 5 * (k % 2)}, tokens_per_s=100.0 + k,
                     wait_s=0.1, push_wait_s=0.0, mixed_version_samples=1)
-        trainer.log("weight_push", step=k, push_s=0.01, pause_s=0.02, server_version=k)
+        trainer.log("weight_push", step=k, push_s=0.01, pause_s=0.02)
         if k % 2 == 0:
             actor.log("eval", step=k, accuracy=acc0 + gain * k / steps)
         launcher.log("server_metrics", server=0, tokens_per_s=50.0 * k, batch_occupancy=0.5, paused_share=0.01)

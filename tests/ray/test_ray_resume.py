@@ -64,9 +64,8 @@ def test_ray_trainer_killed_then_resume(tiny_model_dir, tmp_path, ray_cluster, r
     assert all(0 <= r["lag_min"] and r["lag_max"] <= MAX_LAG for r in steps), [(r["step"], r["lag_max"]) for r in steps]
     after = steps[ckpt]  # the first step trained after the resume: samples of the checkpoint's weights or newer
     assert min(int(v) for v in after["start_versions"]) >= ckpt
-    pushes = records(run, "weight_push")  # every push, the one right after the resume too, reached both servers
-    assert [r["step"] for r in pushes] == list(range(1, STEPS + 1))
-    assert all(r["server_version"] == r["step"] for r in pushes)
+    # every push, the one right after the resume too, reached both servers (a push is logged once all answered)
+    assert [r["step"] for r in records(run, "weight_push")] == list(range(1, STEPS + 1))
     ready = records(run, "trainer_ready")
     assert [r["step"] for r in ready] == [0, ckpt]
     rolled = records(run, "train_step", name="metrics.rolled_back.jsonl")
