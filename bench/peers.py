@@ -1,7 +1,7 @@
 """inflight against the RL tool people use today, on this machine, in one invocation: TRL's `GRPOTrainer` (own venv
 under .cache/peers/trl, never a dependency of inflight) vs `inflight train` pipelined (configs/cpu-demo.yaml) and
 sync (configs/cpu-sync.yaml), same warm-started tiny model, arith task, verifier, 16 prompts x 8 samples per step,
-lr 3e-4, 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians and the
+lr 3e-4 (--lr), 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians and the
 spread (min-max) over the repeats.
 
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
@@ -123,12 +123,12 @@ def free_port() -> int:
 # ---- runs -----------------------------------------------------------------------------------------------------
 
 def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
-                 run_dir: Path, extra: list[str]) -> dict:
+                 run_dir: Path, extra: list[str], lr: float) -> dict:
     config = {"pipelined": "configs/cpu-demo.yaml", "sync": "configs/cpu-sync.yaml"}[mode]
     name = f"peers-{mode}-{tag}" + "".join(f"-{e.replace('=', '')}" for e in extra)
     cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
            f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
-           'task.prompt="{expr}="', f"actor.eval_every={eval_every}", "pipeline.progress=false",
+           'task.prompt="{expr}="', f"actor.eval_every={eval_every}", "pipeline.progress=false", f"trainer.lr={lr}",
            "pipeline.tensorboard=false",
            f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}", *extra]
     sh(cmd, stdout=subprocess.DEVNULL)
@@ -148,11 +148,12 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
 
 
 def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
-            threads: int) -> dict:
+            threads: int, lr: float) -> dict:
     out = run_dir / f"peers-trl{threads}-{tag}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
-           str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every)]
+           str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every),
+           "--lr", str(lr)]
     sh(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads),
                                                                         "TOKENIZERS_PARALLELISM": "false"})
     recs = [json.loads(line) for line in open(out)]
@@ -197,6 +198,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", default="trl,pipelined,sync")
     ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy to reach")
+    ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every system (constant, AdamW)")
     ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps between held-out evaluations")
     ap.add_argument("--trl-threads", type=int, default=1,
                     help="torch threads of TRL's one process (inflight: 1 per server + 1 trainer); on a shared, "
@@ -239,9 +241,10 @@ def main() -> None:
             tag = f"r{r}"
             kind, *extra = system.split(":")
             res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir,
-                           int(extra[0]) if extra else args.trl_threads)
+                           int(extra[0]) if extra else args.trl_threads, args.lr)
                    if kind == "trl" else
-                   run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra))
+                   run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra,
+                                args.lr))
             cmds[system] = res["cmd"]
             runs[system].append(res)
             print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",

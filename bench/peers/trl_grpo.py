@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-4)
     args = ap.parse_args()
 
     import torch
@@ -104,7 +105,7 @@ def main() -> None:
         output_dir=str(Path(args.out).with_suffix(".trl")), use_cpu=True, use_vllm=False, seed=args.seed,
         per_device_train_batch_size=128, gradient_accumulation_steps=1, num_generations=8,
         max_completion_length=12, temperature=1.0, top_p=1.0,
-        learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0 / 12,
         loss_type="dr_grpo", scale_rewards="none", beta=0.0, num_iterations=1,
         max_steps=args.max_steps, logging_steps=10, save_strategy="no", report_to=[],

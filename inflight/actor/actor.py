@@ -8,7 +8,8 @@ One coroutine per group (rollout -> reward service -> completed list). A schedul
 with `trainer_version` read from the stream (published by the trainer, -1 before its first publish), and puts
 completed groups into the stream, oldest first. A group that fails (all retries spent) is logged, counted in
 `groups_failed`, and its slot is given back so that a fresh prompt replaces it: the trainer never waits for a group
-that will not come.
+that will not come. `max_failed_in_a_row` groups failing one after another (a broken rollout function or server,
+not a passing fault) stop the actor with the last error.
 
 Resume (`first_group`, `groups_given_up`, `min_version` from a trainer checkpoint): group k always gets the k-th
 prompt of the task's training order, so the actor skips the first `first_group` prompts and numbers its groups
@@ -118,6 +119,7 @@ class Actor:
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._seen_version = -1
+        self._failed_in_a_row = 0
 
     # ------------------------------------------------------------------------------------------------ one group
     def bound(self, trainer_version: int) -> int:
@@ -145,8 +147,10 @@ class Actor:
                 s.label = getattr(v.label, "value", str(v.label))
                 s.meta.update(group_index=index, start_version=start_version)
             self._done.append((index, samples))
+            self._failed_in_a_row = 0
         except Exception as exc:  # reported and counted, never silently dropped
             self.metrics.groups_failed += 1
+            self._failed_in_a_row += 1
             self.failures.append({"group_index": index, "task_id": ts.id, "error": f"{type(exc).__name__}: {exc}"})
             log.error("group %d (prompt %s) failed: %s: %s", index, ts.id, type(exc).__name__, exc)
         finally:
@@ -202,6 +206,10 @@ class Actor:
             if stop_event is not None and stop_event.is_set():
                 stopped = True
                 break
+            limit = self.cfg.max_failed_in_a_row
+            if limit and self._failed_in_a_row >= limit:  # a broken rollout or server: fail loudly, do not spin
+                raise RuntimeError(f"{self._failed_in_a_row} groups failed in a row; the last: "
+                                   f"{self.failures[-1]['error']}")
             tv = self._seen_version = self.stream.trainer_version()
             if self.cfg.eval_every > 0 and tv >= 0 and (last_eval is None or tv >= last_eval + self.cfg.eval_every):
                 if eval_task is None or eval_task.done():
@@ -268,7 +276,7 @@ class Actor:
             self.metrics_sink({"kind": "eval", **res})
 
     def _report(self) -> dict[str, Any]:
-        # trainer_version: the version the bound used last (the trainer's published one, after its push)
+        # trainer_version: the version the bound used last (what the trainer published)
         snap: dict[str, Any] = {**self.metrics.snapshot(), **self.pool.stats(), "trainer_version": self._seen_version}
         if self.metrics_sink is not None:
             self.metrics_sink({"kind": "actor", **snap})

@@ -28,6 +28,7 @@ class ActorConfig:
     reward_workers: int = 2
     overlong_penalty: float = 0.0
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
+    max_failed_in_a_row: int = 50  # this many groups failing one after another stop the actor (0 = never)
 
     @property
     def gated(self) -> bool:

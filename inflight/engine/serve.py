@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get HTTP 413")
     p.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
                    help="refuse weight updates holding NaN/Inf (checked after receiving, before applying)")
+    p.add_argument("--version-wait-s", type=float, default=300.0,
+                   help="a request whose min_weight_version is not reached in this time gets HTTP 409")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,7 +74,8 @@ def build_app(args: argparse.Namespace):
                              threads=args.threads, generator_precision=args.generator_precision)
     return create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                       max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port)
+                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
+                      version_wait_s=args.version_wait_s)
 
 
 def serve_app(app, args: argparse.Namespace) -> None:

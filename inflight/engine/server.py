@@ -7,6 +7,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -132,11 +133,12 @@ def _no_telemetry() -> dict[str, Any]:
 def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: bool = False,
                max_n: int | None = None, manage_engine: bool = True, device: str = "cpu",
                max_waiting: int | None = None, max_body_bytes: int = 8 * 2**20, reject_nonfinite: bool = True,
-               own_port: int | None = None) -> FastAPI:
+               own_port: int | None = None, version_wait_s: float = 300.0) -> FastAPI:
     """The server app. `manage_engine`: start the engine with the app and stop it at shutdown.
     Protections (docs/reliability.md): `max_waiting` sequences may queue beyond the running batch (None: no
     limit), more get 429; bodies over `max_body_bytes` get 413; `reject_nonfinite` refuses weight updates holding
-    NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group master port."""
+    NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group master port; a request whose
+    `min_weight_version` the weights have not reached within `version_wait_s` gets 409."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -327,6 +329,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             watch.cancel()
             if not work.done():  # client left: cancelling runs the generator's finally (engine.abort)
                 work.cancel()
+                await asyncio.wait({work})  # until the cancel has run: work.cancelled() is true only then
         if work.cancelled():
             log.info("client disconnected; request %s aborted", gen.rid)
             return JSONResponse({}, 499)
@@ -360,6 +363,16 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    async def reach_version(version: int) -> None:
+        """Hold a request until the weights reach its min_weight_version: 409 once version_wait_s has passed (a
+        version that never comes must not hold a connection and a queue place forever)."""
+        deadline = time.monotonic() + version_wait_s
+        while engine.version < version:
+            if time.monotonic() >= deadline:
+                raise BadRequest(f"the weights are at version {engine.version}; min_weight_version {version} was not "
+                                 f"reached within {version_wait_s:g} s", "min_weight_version", status=409)
+            await asyncio.sleep(0.002)
+
     async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
         check_model(req.model)
         prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
@@ -367,6 +380,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
         try:
+            await reach_version(params.min_version)
             gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
             if req.stream:
                 inc = bool(req.stream_options and req.stream_options.include_usage)

@@ -85,15 +85,9 @@ class DistributedTrainerLoop(TrainerLoop):
         push_s = 0.0  # synchronous here: every rank takes part in the gather that feeds the push
         if self.cfg.pipeline.mode != "sync" or version % self.cfg.pipeline.num_grad_steps == 0:
             tp = time.time()
+            self._send_weights(version)
             if self.rank == 0:
-                res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
-                pauses = list((res.get("pause_s") or {}).values())
                 self.stream.publish_version(version)
-                self.log.log("weight_push", step=version, push_s=res.get("seconds"),
-                             pause_s=max(pauses) if pauses else None, published_after_s=time.time() - tp)
-            else:
-                for _ in self.engine.named_weights():  # collective gather; rank 0 sends
-                    pass
             push_s = time.time() - tp
             self.published_version = version
         if self.rank != 0:
@@ -121,9 +115,13 @@ class DistributedTrainerLoop(TrainerLoop):
         self.engine.train_state()
 
     def _send_weights(self, version: int) -> None:
-        """Collective gather of the weights; rank 0 streams them to the servers."""
+        """Collective gather of the weights; rank 0 streams them to the servers and logs the push."""
         if self.rank == 0:
-            self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode)
+            tp = time.time()
+            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+            pauses = list((res.get("pause_s") or {}).values())
+            self.log.log("weight_push", step=version, push_s=res.get("seconds"),
+                         pause_s=max(pauses) if pauses else None, done_after_s=time.time() - tp)
         else:
             for _ in self.engine.named_weights():
                 pass

@@ -151,7 +151,8 @@ def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.Check
 
 def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
     """The newest complete checkpoint of run_dir, checked against cfg; trainer records after it are moved to
-    metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step)."""
+    metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step; it
+    pushes the checkpoint's version again, so that push's record goes too)."""
     import json
     import os
 
@@ -168,7 +169,10 @@ def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]
                 r = json.loads(line)
             except ValueError:
                 continue  # a line cut by the crash
-            late = str(r.get("role", "")).startswith("trainer") and (r.get("step") or 0) > state.step
+            step = r.get("step") or 0
+            # the checkpoint's own push may not have finished (it runs in the background): the resume pushes it again
+            late = str(r.get("role", "")).startswith("trainer") and (
+                step > state.step or (step == state.step and r.get("event") == "weight_push"))
             (gone if late else keep).append(line)
         if gone:
             with open(run_dir / "metrics.rolled_back.jsonl", "a") as f:

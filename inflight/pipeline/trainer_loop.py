@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import lag_stats, make_loss, merge_stats
 from inflight.contracts import Group, Sample
@@ -230,7 +228,8 @@ class TrainerLoop:
         self.published_version = version
 
     def start_push(self, version: int) -> None:
-        """Push the current weights as `version` on a thread; the version is published once every server has it."""
+        """Push the current weights as `version` on a thread (without the version gate, it publishes the version once
+        every server has it)."""
         self.settle_push(block=True)
 
         def target() -> None:
@@ -258,7 +257,7 @@ class TrainerLoop:
         pauses = list((push.box["res"].get("pause_s") or {}).values())
         self.log.log("weight_push", step=push.version, push_s=push.box["res"].get("seconds"),
                      pause_s=max(pauses) if pauses else None,  # the slowest server's pause
-                     published_after_s=push.box["done"] - push.started)
+                     done_after_s=push.box["done"] - push.started)  # until every server had it
 
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
     def push(self, version: int) -> dict:
@@ -333,7 +332,8 @@ class TrainerLoop:
 
     def run(self) -> None:
         if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
-            self.push(self.engine.version)
+            self.start_push(self.engine.version)
+            self.settle_push(block=True)
             self.published_version = self.engine.version
         self.publish(self.published_version)  # the servers hold these weights: the actor may start
         every = self.cfg.pipeline.checkpoint_every

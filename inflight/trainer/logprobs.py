@@ -77,10 +77,11 @@ def token_logprobs(
     logits: torch.Tensor, batch: TrainBatch, need_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob[t] = log softmax(logits[t-1] / temperature)[input_ids[t]], 0 on each sample's first token
-    (nothing predicts it); entropy[t] the entropy of that same distribution. Computed in float32."""
+    (nothing predicts it); entropy[t] the entropy of that same distribution. Computed in float32 at least (bf16
+    logits are upcast; a float64 model stays float64)."""
     ids = batch.input_ids.to(logits.device)
     first = batch.position_ids.to(logits.device) == 0
-    z = logits[:-1].float() / batch.temperature
+    z = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, ids[1:, None])[:, 0] - lse
     lp = torch.cat([lp.new_zeros(1), lp])

@@ -275,3 +275,29 @@ def test_stop_event_ends_the_run_and_accounts_for_every_group(server, rewards):
     assert m.groups_started == 8 and m.groups_completed >= 2 and m.groups_failed == 0
     assert m.groups_completed + m.groups_cancelled == 8 and m.in_flight == 0 and final["actor/groups_in_flight"] == 0
     assert stream.produced == m.groups_completed
+
+
+def test_groups_failing_in_a_row_stop_the_actor(rewards):
+    """A rollout that always fails ends the run with its error after max_failed_in_a_row groups, instead of
+    starting fresh prompts forever."""
+    calls = []
+
+    async def broken(ts, client, cfg):
+        calls.append(ts.id)
+        raise KeyError("no such field")
+
+    async def main():
+        pool = ServerPool(["http://127.0.0.1:9"])  # never contacted
+        try:
+            actor = Actor(actor_cfg(max_failed_in_a_row=7), get_task(TASK_CFG), pool, rewards, new_stream(),
+                          rollout=broken)
+            actor.stream.publish_version(0)
+            with pytest.raises(RuntimeError, match=r"(7|8|9|10|11) groups failed in a row; the last: KeyError: 'no such "
+                                                   r"field'"):
+                await asyncio.wait_for(actor.run(), 30)
+            return actor
+        finally:
+            await pool.aclose()
+
+    actor = asyncio.run(main())
+    assert 7 <= actor.metrics.groups_failed == len(calls) <= 7 + 2 * 2  # at most one bound's worth more started

@@ -135,3 +135,42 @@ def test_thousand_concurrent_chat_requests(tiny_model_dir):
         m = httpx.get(proc.url + "/metrics").text
         assert _metric(m, "inflight_generated_tokens_total") >= 4000
         print(f"1000 concurrent chat requests answered in {elapsed:.1f}s")
+
+
+def test_min_weight_version_waits_for_the_push_or_gets_409(tiny_model_dir):
+    """A request for weights the server does not hold yet starts once a push brings them (every token from them);
+    one for a version that never comes is answered 409 after --version-wait-s, not held forever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from inflight.trainer.weight_sync import WeightSyncClient
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with ServerProcess(str(tiny_model_dir), extra_args=["--version-wait-s", "2"], env=ENV) as proc:
+        model = httpx.get(proc.url + "/v1/models").json()["data"][0]["id"]
+
+        def ask(min_version: int) -> tuple[httpx.Response, float]:
+            body = {"model": model, "messages": MSG, "max_tokens": 6, "ignore_eos": True,
+                    "min_weight_version": min_version}
+            r = httpx.post(proc.url + "/v1/chat/completions", json=body, timeout=60)
+            return r, time.monotonic()
+
+        sync = WeightSyncClient([proc.url], timeout_s=60)
+        sync.init_process_group()
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                waiting = pool.submit(ask, 1)
+                time.sleep(0.5)
+                assert not waiting.done()  # held: the server is at version 0
+                pushed_at = time.monotonic()
+                sync.push(hf.named_parameters(), version=1)
+                r, answered_at = waiting.result()
+            assert r.status_code == 200 and answered_at > pushed_at
+            assert r.json()["choices"][0]["token_versions"] == [1] * 6
+            t0 = time.monotonic()
+            r, _ = ask(2)
+            assert r.status_code == 409 and 2 <= time.monotonic() - t0 < 10
+            assert "min_weight_version 2" in r.json()["error"]["message"]
+        finally:
+            sync.close()
