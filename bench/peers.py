@@ -1,8 +1,8 @@
 """inflight against the RL tool people use today, on this machine, in one invocation: TRL's `GRPOTrainer` (own venv
 under .cache/peers/trl, never a dependency of inflight) vs `inflight train` pipelined (configs/cpu-demo.yaml) and
 sync (configs/cpu-sync.yaml), same warm-started tiny model, arith task, verifier, 16 prompts x 8 samples per step,
-lr 3e-4 (--lr), 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians and the
-spread (min-max) over the repeats.
+lr 3e-4 (--lr), 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians
+and the spread (min-max) over the repeats.
 
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
     .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
@@ -11,9 +11,9 @@ spread (min-max) over the repeats.
 A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
 threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
 
-Per run: samples/s (samples trained between the first and the last optimizer step / the time between them),
-seconds and samples to the first held-out evaluation >= --target (clock from the moment generation can start:
-inflight's `roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached,
+Per run: samples/s (samples trained by the last optimizer step / its time on the clock below), seconds and samples
+to the first held-out evaluation >= --target (clock from the moment generation can start: inflight's
+`roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached,
 and the share of the machine's matmul peak: FLOPs the run needed (8 N (P + C) per sample: 2 N per token to
 generate, 6 N to train, N = parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s
 measured here on all cores (1024^3 fp32, best of 5, before and after).
@@ -166,8 +166,9 @@ def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: i
 
 def summarise(run: dict, target: float, flops_per_token: float, prompt_len: float, peak: float) -> dict:
     steps, evals = run["steps"], run["evals"]
-    (t_a, s_a, _), (t_b, s_b, _) = steps[0], steps[-1]
-    rate = (s_b - s_a) / max(t_b - t_a, 1e-9)
+    t_b, s_b, _ = steps[-1]
+    # from the start, not from the first step: sync mode trains in bursts of num_grad_steps after each round
+    rate = s_b / max(t_b, 1e-9)
     clen = statistics.mean(c for _, _, c in steps)
     hit = next(((t, s) for t, s, a in evals if a >= target), None)
     return {"samples_per_s": rate, "samples": s_b, "wall_s": t_b, "to_target_s": hit[0] if hit else None,
