@@ -57,7 +57,8 @@ class _Sampling(_Lenient):
                           description="extension, as vLLM's: a waiting request with a lower value starts first")
     min_weight_version: int | None = Field(default=None, ge=0, le=2**62, description=(
         "extension: the request waits until the server holds at least this weight version, so that no token of it "
-        "comes from older weights (the actor's staleness bound then needs no round trip after a push)"))
+        "comes from older weights (the actor's staleness bound then needs no round trip after a push); 409 if it "
+        "has not come within the server's --version-wait-s"))
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

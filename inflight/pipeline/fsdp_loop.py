@@ -96,7 +96,8 @@ class DistributedTrainerLoop(TrainerLoop):
         n_tok = count_loss_tokens(samples)
         record = {
             "loss": stats.get("loss"), "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
-            **lag_stats(samples, version - 1), **version_mix(samples), "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+            **lag_stats(samples, version - 1), **version_mix(samples),
+            "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
             "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,
             "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_s,
             "step_s": time.time() - t0, "tokens_per_s": n_tok / max(t_train, 1e-9),

@@ -66,11 +66,9 @@ class VLLMEngine:
                    logprobs=p.top_logprobs, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
-        """n choices = n vLLM requests (vLLM's prefix cache shares the prompt); events merged as they come. A request
-        with a min_version is held here until the weights reach it (they change only inside a pause)."""
+        """n choices = n vLLM requests (vLLM's prefix cache shares the prompt); events merged as they come. (The
+        server holds a request with a min_weight_version until the weights reach it, before this is called.)"""
         params.check(self.max_batch)
-        while self.version < params.min_version:
-            await asyncio.sleep(0.005)
         queue: asyncio.Queue = asyncio.Queue()
         sub_ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:6]}" for i in range(params.n)]
         self._live[request_id] = sub_ids
