@@ -36,6 +36,7 @@ log = logging.getLogger("inflight.trainer.weight_sync")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+SENDER_GRACE_S = 1.0  # after a server's request failed, how long the broadcast may take to finish before the abort
 ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
 
 
@@ -172,6 +173,9 @@ class WeightSyncClient:
         while sender in pending:  # a server whose request fails has left the broadcast: stop at once
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             if any(p in done and p.exception() is not None for p in posts):
+                # a server that rejected what it fully received (NaN/Inf) answers while our last sends may still
+                # be completing: give them a moment, so that the group survives a rejection of content
+                cf.wait({sender}, timeout=SENDER_GRACE_S)
                 break
         if not sender.done() or sender.exception() is not None:
             reason = str(sender.exception()) if sender.done() else "a server's request failed"

@@ -131,6 +131,7 @@ def test_nonfinite_broadcast_is_rejected_after_receiving(server, hf, sync, value
     with pytest.raises(WeightSyncError, match="NaN or Inf"):
         sync.push(with_value(hf, "model.layers.1.mlp.up_proj.weight", value), version=11)
     assert fingerprint(server.url) == ref  # weights and version untouched
+    assert sync.group is not None  # every tensor was delivered: a rejection of content keeps the group
 
 
 def test_nonfinite_file_is_rejected(server, hf):
