@@ -233,9 +233,8 @@ class InferenceEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                # requests waiting for newer weights wake the loop only with the weight update (a pause call)
                 while not (self._stopping or self._inbox or self._aborts or self._pause_calls or self._running
-                           or any(self._ready(r) for r in self._waiting)):
+                           or self._waiting):
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -284,17 +283,12 @@ class InferenceEngine:
             self._in_pause = False
             self._st["paused_seconds_total"] += time.perf_counter() - t0
 
-    def _ready(self, req: _Request) -> bool:
-        return req.params.min_version <= self.version
-
     def _admit(self) -> None:
-        """Start waiting requests whose min_version the weights have reached, lowest `priority` first (then
-        arrival), while the first one's n choices fit: a request never waits behind later or less urgent ones
-        that happen to be smaller."""
+        """Start waiting requests, lowest `priority` first (then arrival), while the first one's n choices fit: a
+        request never waits behind later or less urgent ones that happen to be smaller."""
         if not self._waiting:
             return
-        # stable sort: arrival order within a priority
-        order = sorted((r for r in self._waiting if self._ready(r)), key=lambda r: r.params.priority)
+        order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
         k = 0
         while k < len(order) and len(self._free) >= order[k].params.n:
             req = order[k]

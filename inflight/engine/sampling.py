@@ -34,7 +34,6 @@ class SamplingParams:
     top_logprobs: int = 0
     ignore_eos: bool = False
     priority: int = 0  # admission order among waiting requests: lower first, then arrival
-    min_version: int = 0  # the request starts once the weights are at least this version
 
     def check(self, max_n: int) -> None:
         """Raises ValueError naming the first bad field."""

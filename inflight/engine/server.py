@@ -249,7 +249,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_new,
             stop_token_ids=list(req.stop_token_ids), seed=req.seed, n=req.n,
             top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,  # type: ignore[attr-defined]
-            priority=req.priority, min_version=req.min_weight_version or 0,
+            priority=req.priority,
         )
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
@@ -380,7 +380,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
         try:
-            await reach_version(params.min_version)
+            await reach_version(req.min_weight_version or 0)
             gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
             if req.stream:
                 inc = bool(req.stream_options and req.stream_options.include_usage)

@@ -334,8 +334,7 @@ class TrainerLoop:
         if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
             self.start_push(self.engine.version)
             self.settle_push(block=True)
-            self.published_version = self.engine.version
-        self.publish(self.published_version)  # the servers hold these weights: the actor may start
+        self.publish(self.engine.version)  # the servers hold these weights: the actor may start
         every = self.cfg.pipeline.checkpoint_every
         try:
             while not self.done():

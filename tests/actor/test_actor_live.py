@@ -292,8 +292,7 @@ def test_groups_failing_in_a_row_stop_the_actor(rewards):
             actor = Actor(actor_cfg(max_failed_in_a_row=7), get_task(TASK_CFG), pool, rewards, new_stream(),
                           rollout=broken)
             actor.stream.publish_version(0)
-            with pytest.raises(RuntimeError, match=r"(7|8|9|10|11) groups failed in a row; the last: KeyError: 'no such "
-                                                   r"field'"):
+            with pytest.raises(RuntimeError, match=r"\d+ groups failed in a row; the last: KeyError: 'no such field'"):
                 await asyncio.wait_for(actor.run(), 30)
             return actor
         finally:

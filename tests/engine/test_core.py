@@ -296,32 +296,6 @@ def test_weight_update_then_logprobs_match_new_weights(tiny_model_dir):
         eng.stop()
 
 
-def test_request_waits_for_its_min_version(tiny_model_dir):
-    """A request with min_version > the engine's version starts only once the weights reach it (no token of older
-    weights), while requests without one keep running; its tokens are the new weights' exactly."""
-    eng = fresh_engine(tiny_model_dir)
-    new = perturbed(eng, seed=2)
-
-    async def main():
-        gated = asyncio.ensure_future(collect(eng, "gated", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True,
-                                                                                         min_version=3)))
-        free = await collect(eng, "free", PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
-        assert not gated.done() and eng.stats()["waiting"] == 1  # 20 steps later it still waits, at version 0
-        await eng.run_paused(lambda: eng.load_weights(new, 2))
-        await asyncio.sleep(0.05)
-        assert not gated.done()  # version 2 < 3
-        await eng.run_paused(lambda: eng.load_weights(new, 3))
-        return free, await asyncio.wait_for(gated, 30)
-
-    try:
-        free, gated = asyncio.run(main())
-    finally:
-        eng.stop()
-    assert {e.version for e in free} == {0}
-    assert {e.version for e in gated} == {3} and len(gated) == 6
-    assert_logprobs_match(ref_with(tiny_model_dir, new), PROMPTS[1], gated)
-
-
 @pytest.mark.parametrize("mode", ["interrupt", "keep"])
 def test_update_during_generation(tiny_model_dir, ref64, mode):
     eng = fresh_engine(tiny_model_dir)
