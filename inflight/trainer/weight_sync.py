@@ -36,7 +36,7 @@ log = logging.getLogger("inflight.trainer.weight_sync")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-SENDER_GRACE_S = 1.0  # after a server's request failed, how long the broadcast may take to finish before the abort
+SENDER_GRACE_S = 1.0  # after a server answered an error, how long the broadcast may take to finish before the abort
 ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
 
 
@@ -49,6 +49,10 @@ def _run_into(future: cf.Future, fn) -> None:
 
 class WeightSyncError(RuntimeError):
     """A server rejected an update, failed, or did not answer in time (the message names it)."""
+
+
+class ServerAnswered(WeightSyncError):
+    """The server answered with an error status: it is alive and has left the request (a broadcast included)."""
 
 
 def free_port() -> int:
@@ -172,10 +176,13 @@ class WeightSyncClient:
         pending: set[cf.Future] = {sender, *posts}
         while sender in pending:  # a server whose request fails has left the broadcast: stop at once
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            if any(p in done and p.exception() is not None for p in posts):
-                # a server that rejected what it fully received (NaN/Inf) answers while our last sends may still
-                # be completing: give them a moment, so that the group survives a rejection of content
-                cf.wait({sender}, timeout=SENDER_GRACE_S)
+            failed = [p.exception() for p in posts if p in done and p.exception() is not None]
+            if failed:
+                if all(isinstance(e, ServerAnswered) for e in failed):
+                    # a server that rejected what it fully received (NaN/Inf) answers while our last sends may
+                    # still be completing: give them a moment, so that the group survives a rejection of content
+                    # (a server that is gone gets no grace: the abort must free the others at once)
+                    cf.wait({sender}, timeout=SENDER_GRACE_S)
                 break
         if not sender.done() or sender.exception() is not None:
             reason = str(sender.exception()) if sender.done() else "a server's request failed"
@@ -256,7 +263,7 @@ class WeightSyncClient:
                 msg = r.json()["error"]["message"]
             except Exception:
                 msg = r.text[:500]
-            raise WeightSyncError(f"server {url} rejected {path} (HTTP {r.status_code}): {msg}")
+            raise ServerAnswered(f"server {url} rejected {path} (HTTP {r.status_code}): {msg}")
         return r.json()
 
     def _collect(self, futures: list[cf.Future], what: str, timeout_s: float | None = None) -> list[dict]:
