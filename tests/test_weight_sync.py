@@ -236,3 +236,37 @@ def test_init_process_group_fails_fast_when_a_server_cannot_join(server):
     assert time.monotonic() - t0 < 5
     client.close()
     assert not client._group_thread.is_alive()  # nothing left blocked in gloo when the process exits
+
+
+def test_a_new_group_supersedes_a_receive_whose_broadcast_never_comes(server, hf):
+    """The server was asked to receive v50 but no tensor comes, and the trainer's end of that group stays open (as
+    when its abort cannot free a group with an op still pending). The trainer forms the group again: the stalled
+    update answers 409 at once (the group timeout is 60 s), nothing was applied, and a push on the new group lands
+    exactly."""
+    from inflight.trainer.weight_sync import ServerAnswered
+
+    client = WeightSyncClient([server.url], timeout_s=60)
+    try:
+        client.init_process_group()
+        ref = fingerprint(server.url)
+        new = perturbed(hf, seed=50)
+        body = {"version": 50, "mode": "keep", "params": [
+            {"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in new.items()]}
+        stalled = client.pool.submit(client._post, server.url, "/request_weight_update", body)
+        time.sleep(1.0)
+        assert not stalled.done()  # the server is waiting inside the broadcast
+        stale = client.group  # kept open: its connections do not close
+        client.group, client.store, client.master_port = None, None, 0  # as rejoin_weight_group does
+        t0 = time.monotonic()
+        client.init_process_group()
+        with pytest.raises(ServerAnswered, match=r"HTTP 409.*superseded by a new /init_process_group"):
+            stalled.result(timeout=10)
+        assert time.monotonic() - t0 < 10
+        assert fingerprint(server.url) == ref  # weights and version as they were
+        client.push(new.items(), version=51)
+        after = chat(server.url, temperature=1.0)
+        assert set(after["token_versions"]) == {51}
+        check_matches(hf, new, after, 1.0)
+        del stale
+    finally:
+        client.close()

@@ -8,6 +8,11 @@ keeps generating; the engine then swaps them in with one `load_weights` call ins
 so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
 received and before anything is applied: the weights stay as they were.
+
+A new `/init_process_group` supersedes a receive still blocked on the old group: the trainer forms a group again
+only after it gave up on the old one, and a gloo receive whose sender is gone may not fail before the group timeout.
+The update then answers 409 at once (nothing applied) and the server joins the new group; the blocked receive is
+left to end on its own, and it never touches the new group.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class WeightReceiver:
         self.rank = -1
         self.world_size = 0
         self._lock = asyncio.Lock()  # one update (or join) at a time
+        self._superseded: asyncio.Event | None = None  # set by a join while an update is receiving
         self.updates = 0
         self.last_update: dict[str, Any] = {}
 
@@ -98,6 +104,8 @@ class WeightReceiver:
             raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server has none (use 'gloo')")
+        if self._superseded is not None:
+            self._superseded.set()  # the receive in progress is on the group this join replaces
         async with self._lock:
             # Joining blocks until every rank has connected: run it in a thread, never on the event loop.
             self.group = await asyncio.to_thread(_join_group, req, connect_to or req.master_address)
@@ -140,7 +148,7 @@ class WeightReceiver:
                 read_s, ntensors = 0.0, len(params)
 
                 # received while the engine keeps generating (on the old weights); it pauses only to apply
-                received = await asyncio.to_thread(self._receive_all, params, specs, req.version)
+                received = await self._receive_unless_superseded(params, specs, req.version)
                 if self.reject_nonfinite:  # every broadcast was received: the group stays in step
                     check_finite(received)
 
@@ -158,7 +166,25 @@ class WeightReceiver:
                  req.mode, pause_s, total_s, f" (read {read_s:.3f}s)" if req.path else "")
         return {"version": req.version, "pause_s": pause_s}
 
-    def _receive_all(self, params: list[ParamInfo], specs: dict, version: int) -> dict[str, torch.Tensor]:
+    async def _receive_unless_superseded(self, params: list[ParamInfo], specs: dict,
+                                         version: int) -> dict[str, torch.Tensor]:
+        self._superseded = superseded = asyncio.Event()
+        receive = asyncio.ensure_future(asyncio.to_thread(self._receive_all, self.group, params, specs, version))
+        stop = asyncio.ensure_future(superseded.wait())
+        try:
+            await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._superseded = None
+            stop.cancel()
+        if receive.done():
+            return receive.result()
+        receive.add_done_callback(lambda f: f.exception())  # it ends with the old group's error; nobody waits
+        log.warning("weight update v%d superseded by a new /init_process_group while receiving; nothing applied",
+                    version)
+        raise WeightUpdateError(f"weight update v{version} superseded by a new /init_process_group while receiving; "
+                                f"nothing applied, weights stay at v{self.engine.version}", status=409)
+
+    def _receive_all(self, group: Any, params: list[ParamInfo], specs: dict, version: int) -> dict[str, torch.Tensor]:
         """Every announced tensor, or WeightUpdateError 409 if the broadcast breaks off (the trainer aborted the
         group, or a peer died): what was received is dropped, nothing is applied, and the broken group is let go, so
         the next /init_process_group forms a new one."""
@@ -168,7 +194,7 @@ class WeightReceiver:
             # while posting one receive at a time waited for the GIL between tensors (the engine thread holds it
             # for up to the 5 ms switch interval), which made a 30-tensor update 10x slower on a busy server
             bufs = [torch.empty(tuple(p.shape), dtype=specs[p.name][1], device=self.device) for p in params]
-            works = [self.group.broadcast([b], _bcast_opts(root=0)) for b in bufs]
+            works = [group.broadcast([b], _bcast_opts(root=0)) for b in bufs]
             try:
                 for p, buf, i in zip(params, bufs, range(len(works))):
                     works[i].wait()
@@ -178,7 +204,8 @@ class WeightReceiver:
         except Exception as e:  # gloo: connection closed / reset, or the group timeout
             n = len(received)
             received.clear()
-            self.group = None
+            if self.group is group:  # a join may have replaced it meanwhile
+                self.group = None
             raise WeightUpdateError(
                 f"weight broadcast of v{version} broke off after {n} of {len(params)} tensors "
                 f"({str(e).splitlines()[0][:200]}); nothing applied, weights stay at v{self.engine.version}; "

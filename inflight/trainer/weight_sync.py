@@ -80,7 +80,8 @@ class WeightSyncClient:
         self.precheck = precheck
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self.pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.urls)), thread_name_prefix="weight-sync")
+        # two posts per server: the posts of a broken-off update may still be waiting when the group is formed again
+        self.pool = cf.ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="weight-sync")
         self.store: Any = None
         self.group: Any = None
         self._generation = 0  # +1 whenever the group is replaced or aborted: a stale abort leaves a new group alone
