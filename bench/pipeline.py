@@ -42,7 +42,7 @@ BUILD = {
     "demo": (['task.prompt="{expr}="'], ["--target-acc", "0.3", "--steps", "2000"]),
     "scratch": (["task.scratchpad=true", "task.digits=2", "task.terms=3", "task.operators=[+,-]",
                  'task.prompt="{expr}="'],
-                ["--target-acc", "0.2", "--steps", "400", "--batch-size", "64", "--eval-every", "50",
+                ["--target-acc", "0.25", "--steps", "3000", "--batch-size", "64", "--eval-every", "100",
                  "--max-new-tokens", "160"]),
 }
 

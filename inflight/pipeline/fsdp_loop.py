@@ -49,6 +49,10 @@ class DistributedTrainerLoop(TrainerLoop):
         gps, groups, wait_s = self.cfg.actor.groups_per_step, [], 0.0
         if self.done():
             return [], 0.0, True
+        try:
+            wait_s = self.await_round()
+        except StopTraining:
+            return [], 0.0, True
         while len(groups) < gps:
             got = self.order.take(gps - len(groups), self.live_cap())
             if got:

@@ -2,7 +2,9 @@
 weights to every server -> version published on the stream. One loop for both modes:
 
 - pipelined: weights go to the servers after every optimizer step (in flight, `update_mode` keep | interrupt);
-- sync: after every `num_grad_steps` steps only, so the steps of one round train on data of lag 0, 1, ..., n-1.
+- sync: after every `num_grad_steps` steps only, so the steps of one round train on data of lag 0, 1, ..., n-1. As in
+  the conventional loop, a round's first step waits until every group of the round has been generated: no training
+  overlaps that round's generation.
 
 Exactly `groups_per_step` groups make one optimizer step, oldest first (the stream is ordered). Micro-batches are
 packed and back-propagated while the step's groups are still arriving, except for token normalisation, which needs
@@ -121,6 +123,29 @@ class TrainerLoop:
         limit = pipeline_limits(self.cfg)[0]
         return min(cap, limit) if limit else cap
 
+    def await_round(self) -> float:
+        """Sync mode, the first step of a round: wait until all of the round's groups are in (generate, then train).
+        Returns the seconds waited; raises StopTraining if the time limit ends the wait."""
+        from inflight.actor.run import pipeline_limits
+
+        p, gps = self.cfg.pipeline, self.cfg.actor.groups_per_step
+        if p.mode != "sync" or self.engine.version % p.num_grad_steps:
+            return 0.0
+        need = p.num_grad_steps * gps
+        limit = pipeline_limits(self.cfg)[0]
+        if limit:  # the last round of a run that ends mid-round
+            need = min(need, limit - self.order.taken)
+        wait_s = 0.0
+        while len(self.order) < need:
+            self.settle_push(block=False)  # a push that failed ends the wait
+            tw = time.time()
+            got = self.stream.get(need - len(self.order), timeout_s=0.5)
+            self.order.add(got)
+            wait_s += time.time() - tw
+            if not got and not self._time_left():
+                raise StopTraining
+        return wait_s
+
     # -- one optimizer step -------------------------------------------------------------------------------------
     def _micro_batch(self, data: StepData, idx: list[int], n_seq: int, n_tok: int):
         s = [data.samples[i] for i in idx]
@@ -169,7 +194,7 @@ class TrainerLoop:
         incremental = self.cfg.algo.normalization != "tokens"
         data, stats = StepData(), []
         t0 = time.time()
-        wait_s = 0.0
+        wait_s = self.await_round()
         while data.groups < gps:
             groups = self.order.take(gps - data.groups, self.live_cap())
             if not groups:

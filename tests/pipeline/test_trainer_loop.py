@@ -1,9 +1,12 @@
 """The trainer loop's own shortcuts change nothing but the work: zero-advantage samples are left out of the backward
-with the same optimizer step as training them all, and a push that fails in the background stops the trainer."""
+with the same optimizer step as training them all, and a push that fails in the background stops the trainer. In
+sync mode a round's training starts only once all of the round's groups are in."""
 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from inflight.streams.memory import MemoryStream
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.single import SingleDeviceTrainer
 from inflight.trainer.weight_sync import WeightSyncError
+from tests.reliability.pipeline_helpers import records
 
 torch.set_num_threads(1)
 G, GPS = 4, 3
@@ -41,6 +45,7 @@ def make_loop(model_dir, run_dir, float64: bool = False, **algo) -> TrainerLoop:
     cfg = RunConfig()
     cfg.actor.group_size, cfg.actor.groups_per_step = G, GPS
     cfg.pipeline.mode, cfg.pipeline.num_grad_steps = "sync", 1000  # no push within these steps
+    cfg.pipeline.max_steps = len(STEPS)  # the sync round (cut to the run) is all of the steps' groups
     for k, v in algo.items():
         setattr(cfg.algo, k, v)
     engine = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1, lr=1e-2, micro_batch_tokens=40))
@@ -70,6 +75,7 @@ def test_zero_advantage_samples_skipped_with_the_same_update(tiny_model_dir, tmp
     for step, rewards in enumerate(STEPS, start=1):
         for loop in (every, skipping):
             loop.stream.put(groups(step, rewards, random.Random(step)))
+    for step, rewards in enumerate(STEPS, start=1):
         a, b = every.step(), skipping.step()
         mixed = sum(len(set(rs)) > 1 for rs in rewards)
         assert a["trained_samples"] == G * GPS and b["trained_samples"] == max(1, G * mixed)
@@ -103,3 +109,38 @@ def test_a_failed_background_push_stops_the_trainer(tiny_model_dir, tmp_path):
     loop.step()  # trains, then starts pushing v1 in the background
     with pytest.raises(RuntimeError, match="weight update to v1 failed.*no server took v1"):
         loop.step()  # waits for data that cannot come without v1 on the servers: the push's error ends the wait
+
+
+class _RecordingSync:
+    urls: list[str] = []
+
+    def __init__(self):
+        self.pushed: list[int] = []
+
+    def push(self, named_weights, version, mode):
+        self.pushed.append(version)
+        return {}
+
+
+def test_sync_round_trains_only_after_all_of_its_groups_are_generated(tiny_model_dir, tmp_path):
+    loop = make_loop(tiny_model_dir, tmp_path, loss="grpo")
+    loop.cfg.pipeline.num_grad_steps, loop.cfg.pipeline.max_steps = 2, 4
+    loop.sync = _RecordingSync()
+    rng = random.Random(0)
+    for rnd in range(2):
+        first = 2 * rnd + 1
+        loop.stream.put(groups(first, STEPS[0], rng))  # half of the round
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (loop.step(), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(1.5), "trained before the round's second half was generated"
+        assert loop.engine.version == 2 * rnd
+        loop.stream.put(groups(first + 1, STEPS[1], rng))
+        assert done.wait(60)
+        t0 = time.monotonic()
+        record = loop.step()  # the round's second step: its data is already in
+        assert time.monotonic() - t0 < 30 and record["wait_s"] < 0.1
+        loop.settle_push(block=True)
+        assert loop.engine.version == first + 1 and loop.sync.pushed == list(range(2, first + 2, 2))
+    assert [r["step"] for r in records(tmp_path, "weight_push")] == [2, 4]
+
