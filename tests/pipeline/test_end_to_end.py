@@ -101,8 +101,11 @@ def _alive(pid: int) -> bool:
 def test_killing_a_role_or_ctrl_c_stops_everything(tiny_model_dir, tmp_path, how):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = overrides(tiny_model_dir, tmp_path, "kill", "pipeline.max_steps=100000")
+    # SIGINT back to its default in the child: a suite started in the background (`make test &`) runs with it ignored,
+    # and the launcher would inherit that
     launcher = subprocess.Popen([sys.executable, "-m", "inflight.cli", "train", "/dev/null", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = tmp_path / "kill"
     try:
         deadline = time.time() + 180
