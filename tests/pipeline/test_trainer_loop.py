@@ -143,4 +143,3 @@ def test_sync_round_trains_only_after_all_of_its_groups_are_generated(tiny_model
         loop.settle_push(block=True)
         assert loop.engine.version == first + 1 and loop.sync.pushed == list(range(2, first + 2, 2))
     assert [r["step"] for r in records(tmp_path, "weight_push")] == [2, 4]
-
