@@ -51,19 +51,14 @@ class DistributedTrainerLoop(TrainerLoop):
             return [], 0.0, True
         try:
             wait_s = self.await_round()
+            while len(groups) < gps:
+                got = self.order.take(gps - len(groups), self.live_cap())
+                if got:
+                    groups += got
+                else:
+                    wait_s += self.wait_for_groups(gps)
         except StopTraining:
-            return [], 0.0, True
-        while len(groups) < gps:
-            got = self.order.take(gps - len(groups), self.live_cap())
-            if got:
-                groups += got
-                continue
-            tw = time.time()
-            new = self.stream.get(gps, timeout_s=0.5)
-            self.order.add(new)
-            wait_s += time.time() - tw
-            if not new and not self._time_left():
-                return [], wait_s, True
+            return [], wait_s, True
         return groups, wait_s, False
 
     def step(self) -> dict[str, float]:

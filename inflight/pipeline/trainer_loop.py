@@ -137,14 +137,19 @@ class TrainerLoop:
             need = min(need, limit - self.order.taken)
         wait_s = 0.0
         while len(self.order) < need:
-            self.settle_push(block=False)  # a push that failed ends the wait
-            tw = time.time()
-            got = self.stream.get(need - len(self.order), timeout_s=0.5)
-            self.order.add(got)
-            wait_s += time.time() - tw
-            if not got and not self._time_left():
-                raise StopTraining
+            wait_s += self.wait_for_groups(need - len(self.order))
         return wait_s
+
+    def wait_for_groups(self, n: int) -> float:
+        """One wait of up to 0.5 s for up to n groups from the stream (into the start order); returns the seconds
+        waited. Raises StopTraining when nothing came and the time limit is reached."""
+        self.settle_push(block=False)  # a push that failed ends the wait: no data comes without it
+        tw = time.time()
+        got = self.stream.get(n, timeout_s=0.5)
+        self.order.add(got)
+        if not got and not self._time_left():
+            raise StopTraining
+        return time.time() - tw
 
     # -- one optimizer step -------------------------------------------------------------------------------------
     def _micro_batch(self, data: StepData, idx: list[int], n_seq: int, n_tok: int):
@@ -198,13 +203,7 @@ class TrainerLoop:
         while data.groups < gps:
             groups = self.order.take(gps - data.groups, self.live_cap())
             if not groups:
-                self.settle_push(block=False)  # a push that failed ends the wait: no data comes without it
-                tw = time.time()
-                got = self.stream.get(gps, timeout_s=0.5)
-                self.order.add(got)
-                wait_s += time.time() - tw
-                if not got and not self._time_left():
-                    raise StopTraining
+                wait_s += self.wait_for_groups(gps)
                 continue
             self._add_groups(data, groups)
             if incremental:
