@@ -2,7 +2,7 @@
 ContinuousBatchingManager (`generate_batch` with an explicit ContinuousBatchingConfig), on llama models built
 locally from config. Prints tokens/s and ratios from one run, and the cost of a weight update.
 
-    .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--no-cb]
+    .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--repeats 3] [--no-cb]
 
 Tokens/s are given twice: per second of this process's CPU time (time.process_time, all its threads: engine
 thread, asyncio consumer, HF) and per second of wall time. On a shared machine the wall figures swing with other
@@ -10,8 +10,10 @@ people's load; the CPU-time ratios are the ones to compare. The weight-update li
 paused per update (run_paused + load_weights of every parameter) and the bytes/s of applying it beside a plain
 memory copy of the same bytes.
 
-For each (model, batch) the engine, HF `generate` and (at --cb-batches) the CB manager run back to back, so they see
-the same machine load. On a shared, oversubscribed machine use --threads 1: with more threads than free cores,
+For each (model, batch) the engine, the engine with its C kernels turned off (torch ops instead: the ratio that
+justifies cpu_kernels.c), HF `generate` and (at --cb-batches) the CB manager run back to back, so they see the same
+machine load, --repeats times in turn (A B C A B C); the table gives medians, ratios with their min-max over the
+rounds. On a shared, oversubscribed machine use --threads 1: with more threads than free cores,
 OpenMP barriers make every library slow by a varying factor and the ratios mean little.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -59,9 +62,19 @@ class EngineBench:
         self.eng = InferenceEngine(str(path), max_batch=max_batch, max_model_len=16 + new + 1)
         self.eng.start()
         self.new, self.vocab = new, vocab
-        self.run(2)  # warm-up
+        self._run(2)  # warm-up
 
-    def run(self, b: int) -> float:
+    def run(self, b: int, kernels: bool = True) -> tuple[float, float, float]:
+        """kernels=False: the same engine with the runner's C kernels turned off for this run (torch ops)."""
+        runner = self.eng.runner
+        saved = runner.kernels
+        runner.kernels = saved if kernels else None
+        try:
+            return self._run(b)
+        finally:
+            runner.kernels = saved
+
+    def _run(self, b: int) -> tuple[float, float, float]:
         from inflight.engine.core import SamplingParams
 
         sp = SamplingParams(max_tokens=self.new, ignore_eos=True)
@@ -153,6 +166,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-cb", action="store_true", help="skip ContinuousBatchingManager (slow)")
     ap.add_argument("--cb-batches", default="32", help="batches for ContinuousBatchingManager")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of all systems in turn; medians are reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -165,22 +179,39 @@ def main() -> None:
             vocab = SIZES[size][-1]
             eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab), HFBench(path, args.new_tokens, vocab)
             name = f"{size} ({n_params / 1e6:.1f}M)"
-            for b in batches:  # the three back to back, so they see the same machine load
-                e, h = rate(eng.run(b)), rate(hf.generate(b))
-                c = rate(hf.continuous(b)) if not args.no_cb and b in cb_batches else None
-                rows.append((name, b, e, h, c))
-                print(rows[-1], flush=True)
+            for b in batches:
+                runs = {k: [] for k in ("engine", "torch ops", "hf", "cb")}
+                for _ in range(args.repeats):  # all systems back to back, so they see the same machine load
+                    runs["engine"].append(rate(eng.run(b)))
+                    if eng.eng.runner.kernels is not None:
+                        runs["torch ops"].append(rate(eng.run(b, kernels=False)))
+                    runs["hf"].append(rate(hf.generate(b)))
+                    if not args.no_cb and b in cb_batches:
+                        runs["cb"].append(rate(hf.continuous(b)))
+                rows.append((name, b, runs))
+                print(name, b, {k: [round(r[0]) for r in v] for k, v in runs.items()}, flush=True)
             updates.append((name, n_params * 4, *eng.weight_update()))
             print(updates[-1], flush=True)
             eng.eng.stop()
-    print(f"\ndecode tokens/s, {args.new_tokens} new tokens, fp32, {args.threads} threads; "
-          "per CPU second (per wall second in brackets)")
-    print("| model | batch | engine | HF generate | engine/HF | HF CB manager | engine/CB |")
-    print("|---|---|---|---|---|---|---|")
-    for name, b, e, h, c in rows:
-        cbs = f"{c[0]:.0f} ({c[1]:.0f}) | {e[0] / c[0]:.1f}x ({e[1] / c[1]:.1f}x)" if c else "- | -"
-        print(f"| {name} | {b} | {e[0]:.0f} ({e[1]:.0f}) | {h[0]:.0f} ({h[1]:.0f}) | {e[0] / h[0]:.2f}x "
-              f"({e[1] / h[1]:.2f}x) | {cbs} |")
+    print(f"\ndecode tokens/s, {args.new_tokens} new tokens, fp32, {args.threads} threads, median of {args.repeats}; "
+          "per CPU second (per wall second in brackets); ratios: median (min-max) over the rounds")
+    print("| model | batch | engine | engine, torch ops | C kernels / torch ops | HF generate | engine / HF | "
+          "HF CB manager | engine / CB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+
+    def cell(v: list) -> str:
+        return f"{med([r[0] for r in v]):.0f} ({med([r[1] for r in v]):.0f})" if v else "-"
+
+    def ratio(a: list, b: list) -> str:
+        if not a or not b:
+            return "-"
+        rs = [x[0] / y[0] for x, y in zip(a, b)]
+        return f"{med(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+
+    for name, b, r in rows:
+        print(f"| {name} | {b} | {cell(r['engine'])} | {cell(r['torch ops'])} | {ratio(r['engine'], r['torch ops'])} | "
+              f"{cell(r['hf'])} | {ratio(r['engine'], r['hf'])} | {cell(r['cb'])} | {ratio(r['engine'], r['cb'])} |")
     print("\nweight update (all parameters, in place, engine idle)")
     print("| model | bytes | paused per update | apply bytes/s | plain memory copy bytes/s | apply/copy |")
     print("|---|---|---|---|---|---|")

@@ -12,6 +12,9 @@ length; prefill chunks attend one sequence at a time with a causal mask offset b
 Measured on CPU, fp32, 1 thread (why it looks like this): at batch 128 the matmuls are ~30% of an unfused step;
 the rest was per-op overhead. Fusions here (rms_norm, rope in place with a signed sin table, k/v written by one
 index_copy_, mask+scale folded into baddbmm, residual folded into addmm) each remove one or more full passes.
+On CPU in float32 the norms, rope + KV write, the gated activation and (with one thread) the decode attention run
+as C kernels instead (cpu_kernels.py: one pass each, and decode attention reads only each sequence's own length,
+straight from its slot); the torch ops above remain the path everywhere else and the reference in the tests.
 
 Precision (precision.py): the HF parameters stay the master copy; `self.gen` holds the weights the forward
 computes with (in float32 the master tensors, the large ones also pre-packed for oneDNN on CPU; bf16 copies or
@@ -27,6 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from inflight.engine import cpu_kernels
 from inflight.engine import precision as prec
 from inflight.engine.step import StepPlan
 
@@ -68,7 +72,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 class LlamaRunner:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32",
-                 pack: bool | None = None):
+                 pack: bool | None = None, kernels: bool | None = None):
         cfg = model.config
         self.pack = os.environ.get("INFLIGHT_PACK_WEIGHTS", "1") != "0" if pack is None else pack
         self.model = model
@@ -98,17 +102,22 @@ class LlamaRunner:
         pos = torch.arange(max_model_len, device=self.device)[None]
         cos, sin = self.inner.rotary_emb(torch.zeros(1, device=self.device, dtype=p.dtype), pos)
         half = self.head_dim // 2
-        self.cos = cos[0].to(self.dtype)  # [max_model_len, head_dim]
-        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(self.dtype)
+        self.cos = cos[0].to(self.dtype).contiguous()  # [max_model_len, head_dim]
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), -1).to(self.dtype).contiguous()
         # one tensor for k and v, so one index_copy_ per layer writes both: [layers, 2, slots, kv_heads, len, dim]
         self.max_batch, self.max_len = max_batch, max_model_len
         shape = (len(self.layers), 2, max_batch, self.n_kv, max_model_len, self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_cache, self.v_cache = self.kv[:, 0], self.kv[:, 1]
+        # float32 on CPU: norms, rope + KV write and decode attention in C (cpu_kernels.py), else torch ops
+        use_c = kernels if kernels is not None else cpu_kernels.usable(self.device, self.dtype, self.head_dim)
+        self.kernels = cpu_kernels.Kernels(cpu_kernels.load()) if use_c else None
         self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
         self.after_weight_update()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32:
+            return self.kernels.rms_norm(x, w, self.eps)
         if x.dtype == torch.float32:  # fused; bit-identical to HF's LlamaRMSNorm in float32
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()
@@ -140,14 +149,17 @@ class LlamaRunner:
         """Logits [len(plan.out_rows), vocab] in float32."""
         n_tok, nd = plan.tokens.shape[0], plan.num_decode
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        rep, half = H // KV, D // 2
-        G = self.gen
+        rep = H // KV
+        G, C = self.gen, self.kernels
         x = G.embed[plan.tokens]
-        cos = self.cos[plan.positions].unsqueeze(1)  # [N, 1, D], shared by all layers
-        sin = self.sin[plan.positions].unsqueeze(1)
-        kv_rows = self._kv_index(plan)
-        if nd:  # attend only up to the longest decoding sequence; -inf past each one's length
-            T = plan.max_decode_len
+        if C is None:
+            cos = self.cos[plan.positions].unsqueeze(1)  # [N, 1, D], shared by all layers
+            sin = self.sin[plan.positions].unsqueeze(1)
+            kv_rows = self._kv_index(plan)
+        T = plan.max_decode_len  # decodes attend only up to the longest one
+        # the C attention is single-threaded; with more threads torch's batched matmuls use them all
+        c_attention = C is not None and nd and torch.get_num_threads() == 1
+        if nd and not c_attention:  # -inf past each sequence's length
             first = plan.decode_first_slot
             d_slots = plan.token_slots[:nd]
             d_mask = torch.zeros(nd, 1, T, dtype=self.dtype, device=self.device)
@@ -160,14 +172,20 @@ class LlamaRunner:
         for li, L in enumerate(G.layers):
             h = self._norm(x, L["ln1"])
             qkv = prec.linear(h, L["w_qkv"], L["b_qkv"])
-            qk = qkv[:, : (H + KV) * D].view(n_tok, H + KV, D)  # q and k roped in one go, in place
-            rot = torch.cat((qk[..., half:], qk[..., :half]), -1)
-            torch.addcmul(qk * cos, rot, sin, out=qk)
             cache = self.kv[li]
-            cache.view(-1, D).index_copy_(0, kv_rows, qkv[:, H * D :].reshape(-1, D))
             kc, vc = cache[0], cache[1]
+            qk = qkv[:, : (H + KV) * D].view(n_tok, H + KV, D)  # q and k, roped in place
+            if C is not None:
+                C.rope_and_cache(qkv, H, KV, D, self.cos, self.sin, plan.positions, plan.token_slots, kc, vc)
+            else:
+                rot = torch.cat((qk[..., D // 2 :], qk[..., : D // 2]), -1)
+                torch.addcmul(qk * cos, rot, sin, out=qk)
+                cache.view(-1, D).index_copy_(0, kv_rows, qkv[:, H * D :].reshape(-1, D))
             out = torch.empty(n_tok, H, D, dtype=x.dtype, device=self.device)
-            if nd:
+            if c_attention:
+                C.decode_attention(qk[:nd, :H], kc, vc, plan.token_slots[:nd], plan.decode_lens, T, self.scale,
+                                   out[:nd])
+            elif nd:
                 if first is not None:  # a view, no copy
                     kd, vd = kc[first : first + nd, :, :T], vc[first : first + nd, :, :T]
                 else:
@@ -187,7 +205,11 @@ class LlamaRunner:
             x = prec.residual(x, out.view(n_tok, H * D), L["wo"], L["bo"])
             h = self._norm(x, L["ln2"])
             gu = prec.linear(h, L["w_gu"])
-            g, u = gu.split(L["inter"], dim=-1)
-            x = prec.residual(x, F.silu(g).mul_(u), L["wd"], None)
+            if C is not None:
+                act = C.silu_mul(gu)
+            else:
+                g, u = gu.split(L["inter"], dim=-1)
+                act = F.silu(g).mul_(u)
+            x = prec.residual(x, act, L["wd"], None)
         x = self._norm(x[plan.out_rows].to(G.head_dtype), G.norm)
         return prec.linear(x, G.head, G.head_bias).float()

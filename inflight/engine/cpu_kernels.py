@@ -1,0 +1,140 @@
+"""The float32 CPU kernels of the fast llama forward (cpu_kernels.c): built once per machine with the system's C
+compiler, loaded with ctypes, called on tensors' memory.
+
+Why: at our model sizes a decode step on CPU spent more time in small torch ops than in arithmetic. Measured on
+the small model at batch 32 (one thread, torch.profiler): `F.rms_norm` took ~50 us per [32, 256] call (it runs
+as 6 ops), the decode attention (mask, `baddbmm`, softmax, `bmm`) ~20% of the step, rope and the KV write
+another 6 ops per layer. The C versions do each in one pass; bench/engine.py measures the step with and without
+them (INFLIGHT_CPU_KERNELS=0), see docs/benchmarks.md.
+
+Build: `cc -O3 -march=native` (plus the reassociation flags that let the reductions vectorize; not -ffast-math,
+whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else
+~/.cache/inflight/kernels (XDG_CACHE_HOME honoured), named by a hash of the source, the flags and the CPU, so a changed source or another
+CPU builds anew (~0.5 s); written to a temporary name and renamed, so concurrent processes never load a partial file.
+Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()` returns None and the runner uses torch ops.
+The kernels are single-threaded, and ctypes releases the GIL while they run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-shared", "-fPIC"]
+MAX_HEAD_DIM = 1024  # rope_and_cache's per-head buffer
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _I, _P, _I, _I, _F, _P],
+    "rope_and_cache": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I],
+    "decode_attention": [_P, _I, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P, _P],
+    "silu_mul": [_P, _I, _I, _P],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def kernel_dir() -> Path:
+    if os.environ.get("INFLIGHT_KERNEL_DIR"):
+        return Path(os.environ["INFLIGHT_KERNEL_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inflight" / "kernels"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels library, or None (logged once) where it cannot be built here or is turned off."""
+    if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: the CPU forward uses torch ops for norms, rope and decode attention")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    so = kernel_dir() / f"cpu_kernels-{key}.so"
+    try:
+        if not so.exists():
+            _build(cc, so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("could not build the CPU kernels (%s): the CPU forward uses torch ops", str(detail).strip()[:500])
+        return None
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and head_dim <= MAX_HEAD_DIM and load() is not None
+
+
+class Kernels:
+    """Typed calls into the library. Callers pass float32 / int64 CPU tensors in the layouts cpu_kernels.c
+    states; shapes are the caller's contract (checked in tests against torch references), not re-checked here."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, n] (rows may be strided, the last dim contiguous), w [n]; a new [N, n] tensor."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.lib.rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+        return out
+
+    def rope_and_cache(self, qkv: torch.Tensor, H: int, KV: int, D: int, cos: torch.Tensor, sin: torch.Tensor,
+                       positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """qkv [N, (H + 2KV) D] contiguous, roped in place; k and v written to caches [slots, KV, T, D]."""
+        self.lib.rope_and_cache(qkv.data_ptr(), qkv.shape[0], H, KV, D, cos.data_ptr(), sin.data_ptr(),
+                                positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                k_cache.stride(0), k_cache.stride(1))
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         lens: torch.Tensor, max_len: int, scale: float, out: torch.Tensor) -> None:
+        """q [nd, H, D] (rows may be strided), caches [slots, KV, T, D], out [nd, H, D] contiguous."""
+        nd, H, D = q.shape
+        KV = k_cache.shape[1]
+        scratch = torch.empty((H // KV) * max_len, dtype=torch.float32)
+        self.lib.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), lens.data_ptr(), nd, H, KV,
+                                  D, scale, out.data_ptr(), scratch.data_ptr())
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [N, 2I] contiguous (gate, up); a new [N, I] tensor silu(gate) * up."""
+        n, two_i = gu.shape
+        out = torch.empty(n, two_i // 2, dtype=gu.dtype)
+        self.lib.silu_mul(gu.data_ptr(), n, two_i // 2, out.data_ptr())
+        return out
