@@ -198,7 +198,7 @@ def main() -> None:
     print("| model | batch | engine | engine, torch ops | C kernels / torch ops | HF generate | engine / HF | "
           "HF CB manager | engine / CB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
 
     def cell(v: list) -> str:
         return f"{med([r[0] for r in v]):.0f} ({med([r[1] for r in v]):.0f})" if v else "-"

@@ -4,15 +4,15 @@ compiler, loaded with ctypes, called on tensors' memory.
 Why: at our model sizes a decode step on CPU spent more time in small torch ops than in arithmetic. Measured on
 the small model at batch 32 (one thread, torch.profiler): `F.rms_norm` took ~50 us per [32, 256] call (it runs
 as 6 ops), the decode attention (mask, `baddbmm`, softmax, `bmm`) ~20% of the step, rope and the KV write
-another 6 ops per layer. The C versions do each in one pass; bench/engine.py measures the step with and without
-them (INFLIGHT_CPU_KERNELS=0), see docs/benchmarks.md.
+another 6 ops per layer. The C versions do each in one pass; bench/engine.py measures the engine with and without
+them (1.15-1.24x at batch >= 32, 1.1-1.7x below), see docs/benchmarks.md.
 
 Build: `cc -O3 -march=native` (plus the reassociation flags that let the reductions vectorize; not -ffast-math,
 whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else
-~/.cache/inflight/kernels (XDG_CACHE_HOME honoured), named by a hash of the source, the flags and the CPU, so a changed source or another
-CPU builds anew (~0.5 s); written to a temporary name and renamed, so concurrent processes never load a partial file.
-Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()` returns None and the runner uses torch ops.
-The kernels are single-threaded, and ctypes releases the GIL while they run.
+~/.cache/inflight/kernels (XDG_CACHE_HOME honoured). The file is named by a hash of the source, the flags and the
+CPU, so a changed source or another CPU builds anew (~0.5 s); it is written to a temporary name and renamed, so
+concurrent processes never load a partial file. Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
+returns None and the runner uses torch ops. The kernels are single-threaded; ctypes releases the GIL while they run.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class Kernels:
         return out
 
     def rope_and_cache(self, qkv: torch.Tensor, H: int, KV: int, D: int, cos: torch.Tensor, sin: torch.Tensor,
-                       positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+                       positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> None:
         """qkv [N, (H + 2KV) D] contiguous, roped in place; k and v written to caches [slots, KV, T, D]."""
         self.lib.rope_and_cache(qkv.data_ptr(), qkv.shape[0], H, KV, D, cos.data_ptr(), sin.data_ptr(),
                                 positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -72,7 +72,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 class LlamaRunner:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32",
-                 pack: bool | None = None, kernels: bool | None = None):
+                 pack: bool | None = None, kernels: bool = True):
         cfg = model.config
         self.pack = os.environ.get("INFLIGHT_PACK_WEIGHTS", "1") != "0" if pack is None else pack
         self.model = model
@@ -109,8 +109,8 @@ class LlamaRunner:
         shape = (len(self.layers), 2, max_batch, self.n_kv, max_model_len, self.head_dim)
         self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_cache, self.v_cache = self.kv[:, 0], self.kv[:, 1]
-        # float32 on CPU: norms, rope + KV write and decode attention in C (cpu_kernels.py), else torch ops
-        use_c = kernels if kernels is not None else cpu_kernels.usable(self.device, self.dtype, self.head_dim)
+        # float32 on CPU: norms, rope + KV write, silu * up and decode attention in C (cpu_kernels.py), else torch ops
+        use_c = kernels and cpu_kernels.usable(self.device, self.dtype, self.head_dim)
         self.kernels = cpu_kernels.Kernels(cpu_kernels.load()) if use_c else None
         self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
         self.after_weight_update()
