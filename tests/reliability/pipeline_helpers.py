@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,27 +13,33 @@ import time
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Test servers listen below the kernel's ephemeral range (Linux: 32768-60999), so that no outgoing connection can
+# take their port between the check and the bind (seen: a Ray node's connections took server1's port, EADDRINUSE),
+# and above Ray's worker ports (10002-19999 by default).
+_PORTS = range(20000, 32700)
+_rng = random.Random()  # seeded from os.urandom: tests of concurrent sessions do not walk the same sequence
 
 
 def _is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))  # every interface: servers on a Ray node bind that node's own address
             return True
         except OSError:
             return False
 
 
 def free_base_port(n: int) -> int:
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65535 and all(_is_free(base + k) for k in range(n)):
+    """A port p with p .. p + n - 1 free."""
+    for _ in range(200):
+        base = _rng.randrange(_PORTS.start, _PORTS.stop - n)
+        if all(_is_free(base + k) for k in range(n)):
             return base
     raise RuntimeError("no free ports")
+
+
+def free_port() -> int:
+    return free_base_port(1)
 
 
 def ports() -> list[str]:
