@@ -127,7 +127,9 @@ def read_state(path: str | Path) -> CheckpointState:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of `run_dir` with the highest step (a "final" one counts with its step)."""
     root = Path(run_dir) / "checkpoints"
-    found = [(read_state(p).step, p.name != "final", p) for p in root.glob("*") if p.is_dir() and is_complete(p)]
+    # not .tmp-* / .old-*: a save in progress, whose state file a crash can leave empty
+    found = [(read_state(p).step, p.name != "final", p) for p in root.glob("*")
+             if p.is_dir() and not p.name.startswith(".") and is_complete(p)]
     return max(found)[2] if found else None
 
 

@@ -112,6 +112,13 @@ def test_atomic_write_and_pruning(tiny_model_dir, tmp_path, monkeypatch):
     (root / "step_000009").mkdir()
     (root / "step_000009" / "config.json").write_text("{}")
     assert ckpt.latest_checkpoint(tmp_path).name == "final"
+    # SIGKILL between creating the temporary folder's state.json and writing it (seen in the Ray resume test):
+    # the save in progress never counts, though its state file exists
+    (root / ".tmp-step_000010-0123abcd").mkdir()
+    (root / ".tmp-step_000010-0123abcd" / ckpt.STATE_JSON).write_text("")
+    (root / ".old-final-4567ef01").mkdir()
+    (root / ".old-final-4567ef01" / ckpt.STATE_JSON).write_text("")
+    assert ckpt.latest_checkpoint(tmp_path).name == "final"
 
 
 def test_resume_refuses_a_different_prompt_layout():
