@@ -82,7 +82,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / STATE_JSON).is_file()
+    """A folder a save finished: it holds state.json and is not a hidden .tmp-* / .old-* folder of a save in
+    progress (a crash there can leave an empty state.json)."""
+    return not path.name.startswith(".") and (path / STATE_JSON).is_file()
 
 
 def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointState, keep: int = 2) -> Path:
@@ -127,9 +129,7 @@ def read_state(path: str | Path) -> CheckpointState:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of `run_dir` with the highest step (a "final" one counts with its step)."""
     root = Path(run_dir) / "checkpoints"
-    # not .tmp-* / .old-*: a save in progress, whose state file a crash can leave empty
-    found = [(read_state(p).step, p.name != "final", p) for p in root.glob("*")
-             if p.is_dir() and not p.name.startswith(".") and is_complete(p)]
+    found = [(read_state(p).step, p.name != "final", p) for p in root.glob("*") if p.is_dir() and is_complete(p)]
     return max(found)[2] if found else None
 
 
