@@ -4,7 +4,6 @@ ServerPool (retries, 5xx, 4xx, timeouts). The actor's own tests run against the 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -12,11 +11,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.reliability.pipeline_helpers import free_port
 
 
 class ScriptedServer:

@@ -1,4 +1,5 @@
-"""Helpers of the pipeline-level fault tests: free ports, a launcher subprocess, metrics records."""
+"""Helpers of the pipeline-level fault tests: free ports (the one port helper of the test suite), a launcher
+subprocess, metrics records."""
 
 from __future__ import annotations
 

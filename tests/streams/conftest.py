@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.reliability.pipeline_helpers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +18,7 @@ def redis_url(tmp_path_factory):
         pytest.fail("redis-server not found: install it with `apt-get update && apt-get install -y redis-server`")
     import redis
 
-    port, workdir = _free_port(), tmp_path_factory.mktemp("redis")
+    port, workdir = free_port(), tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "", "--appendonly", "no",
          "--daemonize", "no", "--loglevel", "warning"],

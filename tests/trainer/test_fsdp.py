@@ -1,7 +1,6 @@
 """FSDP2 on CPU with 2 gloo processes gives the same 3 optimizer steps as the single-process trainer."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
+from tests.reliability.pipeline_helpers import free_port
 
 from .fsdp_worker import BUDGET, CFG, step_samples
 from .helpers import ReinforceLoss
@@ -19,16 +19,10 @@ from .helpers import ReinforceLoss
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # ~40 s: two processes load the model and train
 def test_fsdp2_two_ranks_equal_single(tiny_model_dir, tmp_path):
     out = tmp_path / "rank0.pt"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
