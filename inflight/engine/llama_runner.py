@@ -116,7 +116,7 @@ class LlamaRunner:
         self.after_weight_update()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype == torch.float32:
+        if self.kernels is not None:  # only ever set for a float32 forward
             return self.kernels.rms_norm(x, w, self.eps)
         if x.dtype == torch.float32:  # fused; bit-identical to HF's LlamaRMSNorm in float32
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)

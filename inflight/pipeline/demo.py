@@ -61,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     report = run_dir_of(cfg) / "report.html"
     if code == 0:
         summary = json.loads((run_dir_of(cfg) / "summary.json").read_text())[0]
-        pct = lambda k: "n/a" if summary.get(k) is None else f"{summary[k]:.1f}%"  # noqa: E731  (percent values)
+
+        def pct(key: str) -> str:  # the summary holds accuracies in percent
+            return "n/a" if summary.get(key) is None else f"{summary[key]:.1f}%"
+
         print(f"demo: held-out accuracy {pct('first_accuracy')} -> {pct('last_accuracy')} "
               f"(best {pct('best_accuracy')}) in {summary['wall_s']} s of RL")
         print(f"demo: report at {report}")
