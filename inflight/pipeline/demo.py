@@ -47,6 +47,15 @@ def prepare_model(cfg, rebuild: bool = False, sft_target: float = 0.25, sft_step
     return warm
 
 
+def result_line(summary: dict) -> str:
+    """The demo's last word, from the run's summary (accuracies in percent, None without an evaluation)."""
+    def pct(key: str) -> str:
+        return "n/a" if summary.get(key) is None else f"{summary[key]:.1f}%"
+
+    return (f"demo: held-out accuracy {pct('first_accuracy')} -> {pct('last_accuracy')} "
+            f"(best {pct('best_accuracy')}) in {summary['wall_s']} s of RL")
+
+
 def run(args: argparse.Namespace) -> int:
     from inflight.config import ConfigError, RunConfig, load_config
     from inflight.pipeline.launcher import run_dir_of, run_pipeline
@@ -60,12 +69,6 @@ def run(args: argparse.Namespace) -> int:
     code = run_pipeline(cfg)
     report = run_dir_of(cfg) / "report.html"
     if code == 0:
-        summary = json.loads((run_dir_of(cfg) / "summary.json").read_text())[0]
-
-        def pct(key: str) -> str:  # the summary holds accuracies in percent
-            return "n/a" if summary.get(key) is None else f"{summary[key]:.1f}%"
-
-        print(f"demo: held-out accuracy {pct('first_accuracy')} -> {pct('last_accuracy')} "
-              f"(best {pct('best_accuracy')}) in {summary['wall_s']} s of RL")
+        print(result_line(json.loads((run_dir_of(cfg) / "summary.json").read_text())[0]))
         print(f"demo: report at {report}")
     return code

@@ -83,3 +83,11 @@ def test_configuration_doc_is_up_to_date():
     text = render()
     assert "`pipeline.update_mode`" in text and "`trainer.lr`" in text and "`actor.max_lag`" in text
     assert DOC_PATH.read_text() == text, "run: python -m inflight.pipeline.config_docs"
+
+
+def test_demo_result_line_rounds_the_percentages():
+    from inflight.pipeline.demo import result_line
+
+    line = result_line({"first_accuracy": 28.000000000000004, "last_accuracy": 66.0, "best_accuracy": None,
+                        "wall_s": 366.1})
+    assert line == "demo: held-out accuracy 28.0% -> 66.0% (best n/a) in 366.1 s of RL"
