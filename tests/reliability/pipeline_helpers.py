@@ -104,6 +104,16 @@ def kill_group(pid: int) -> None:
             pass
 
 
+def dies_within(pid: int, timeout_s: float = 10.0) -> bool:
+    """True once `pid` is gone or a zombie: a SIGKILLed process can take a moment to finish exiting."""
+    deadline = time.time() + timeout_s
+    while alive(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from tests.reliability.pipeline_helpers import (alive, base_overrides, kill_group, latest_step, launch, ports,
+from tests.reliability.pipeline_helpers import (base_overrides, dies_within, kill_group, latest_step, launch, ports,
                                                 records, wait_for)
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
         kill_group(pid)
     p.communicate(timeout=30)
     for name, pid in pids.items():
-        assert not alive(pid), f"{name} survived SIGKILL"
+        assert dies_within(pid), f"{name} survived SIGKILL"
     second_ckpt = max(r["step"] for r in records(run, "checkpoint"))
     assert first_ckpt < second_ckpt < STEPS
 
