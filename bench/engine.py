@@ -80,7 +80,7 @@ class EngineBench:
         sp = SamplingParams(max_tokens=self.new, ignore_eos=True)
 
         async def one(rid: str, p: list[int]) -> int:
-            return sum([e.token_id >= 0 async for e in self.eng.generate(rid, p, sp)])
+            return sum([e.token_id >= 0 async for e in self.eng.generate(rid, p, sp, stream=False)])
 
         async def go() -> int:
             return sum(await asyncio.gather(*[one(f"b{b}-{i}", p) for i, p in enumerate(prompts(b, self.vocab))]))

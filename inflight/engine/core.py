@@ -9,6 +9,8 @@ Logprobs: see sampling.py. In short, the log-probability under the distribution 
 (after temperature and top-k/top-p renormalisation); for greedy (temperature 0), the temperature-1 logprob.
 A stop token (stop_token_ids, or EOS unless ignore_eos) is emitted as the last token, with finish_reason "stop".
 An aborted choice (abort(), a cancelled consumer, stop()) ends with an event of token_id -1, finish_reason "abort".
+`generate(..., stream=False)` holds a request's events on the engine thread and hands them over once, when its
+last choice ends: a consumer that only wants the whole completion is not woken once per step.
 
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
@@ -57,11 +59,13 @@ class TokenEvent:
 
 
 class _Request:
-    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: set[int], loop, queue):
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: set[int], loop, queue,
+                 stream: bool):
         self.rid, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
         self.loop, self.queue = loop, queue
         self.seqs: list[_Seq] = []
         self.unfinished = params.n
+        self.held: list[TokenEvent] | None = None if stream else []  # events kept until the request ends
 
 
 class _Seq:
@@ -158,10 +162,13 @@ class InferenceEngine:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         params.check(self.max_batch)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       stream: bool = True) -> AsyncIterator[TokenEvent]:
+        """The request's events, as they are generated, or (stream=False) all of them once it has ended."""
         self.validate_request(prompt_ids, params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        req = _Request(request_id, list(prompt_ids), params, stop_ids, asyncio.get_running_loop(), asyncio.Queue())
+        req = _Request(request_id, list(prompt_ids), params, stop_ids, asyncio.get_running_loop(), asyncio.Queue(),
+                       stream)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine is stopped")
@@ -300,7 +307,7 @@ class InferenceEngine:
             self._waiting = collections.deque(r for r in self._waiting if id(r) not in started)
 
     def _emit(self, req: _Request, ev: TokenEvent) -> None:
-        self._out.setdefault(req, []).append(ev)
+        (self._out.setdefault(req, []) if req.held is None else req.held).append(ev)
 
     def _flush(self) -> None:
         """Hand this step's events to the consumers' loops. While a loop has not yet run the previous hand-over,
@@ -328,6 +335,9 @@ class InferenceEngine:
             queue.put_nowait(evs)
 
     def _finish_request(self, req: _Request) -> None:
+        if req.held:
+            self._out.setdefault(req, []).extend(req.held)
+            req.held = []
         self._by_id.pop(req.rid, None)
         with self._cv:
             self._ids.discard(req.rid)
@@ -416,7 +426,7 @@ class InferenceEngine:
         filtered = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps)
         num_top = max(p.top_logprobs for p in ps)
         tokens, logprobs, top = sample(logits, temp.to(dev), top_p.to(dev), top_k.to(dev), u.to(dev), num_top,
-                                       filtered)
+                                       filtered, self.runner.kernels)
         tok_l, lp_l = tokens.tolist(), logprobs.tolist()
         top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
         finished = False

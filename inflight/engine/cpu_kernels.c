@@ -10,9 +10,11 @@
 
 /* exp(x) for x <= 0 (softmax after subtracting the max), branch-free so that its loop vectorizes:
    x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 before
-   rounding), then times 2^n built in the exponent bits. Below -87 it returns exp(-87) ~ 1.6e-38. */
+   rounding), then times 2^n built in the exponent bits. Below -87 (where exp is ~1e-38 and about to leave float's
+   normal range) it returns 0, so that a -inf logit has probability 0. */
 static inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
+  const int under = x < -87.f;
+  x = under ? -87.f : x;
   const float n = __builtin_roundf(x * 1.44269504088896341f);
   const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f; /* ln2 split in two */
   float p = 1.f / 5040;
@@ -26,7 +28,20 @@ static inline float exp_nonpositive(float x) {
   const int32_t bits = ((int32_t)n + 127) << 23;
   float two_n;
   memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
+  return under ? 0.f : p * two_n;
+}
+
+/* max of x[0..n), in 16 running maxima: one chain of compares would not vectorize (NaNs are skipped). */
+static inline float max_of(const float* x, int64_t n) {
+  float m16[16];
+  for (int j = 0; j < 16; ++j) m16[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) m16[j] = x[i + j] > m16[j] ? x[i + j] : m16[j];
+  float mx = -INFINITY;
+  for (int j = 0; j < 16; ++j) mx = m16[j] > mx ? m16[j] : mx;
+  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  return mx;
 }
 
 /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, rows of length n; x rows xs floats apart, out contiguous. */
@@ -70,13 +85,56 @@ void rope_and_cache(float* qkv, int64_t N, int64_t H, int64_t KV, int64_t D, con
   }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 vectors -> one whose lane i is the sum of the lanes of p[i]: a transposing tree of unpacks and 128-bit
+   shuffles, ~2 shuffles per vector instead of the 4 of a horizontal sum each. */
+static inline __m512 sum16(const __m512* p) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) /* per 128-bit chunk: [x, y, x, y] partial sums of p[2i], p[2i + 1] */
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) { /* per chunk: partial sums of p[4i .. 4i + 3] */
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) /* chunks: p[8i..8i+3] over halves of the lanes, p[8i+4..8i+7] likewise */
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* Scores of 16 consecutive keys K [16, D] (D a multiple of 16) for each of the rep query heads:
+   s[r * len + t] = scale * q[r] . K[t]. */
+static inline __attribute__((always_inline)) void scores16(const float* q, const int64_t rep, const float* K,
+                                                           const int64_t D, int64_t len, float scale, float* s) {
+  for (int64_t r = 0; r < rep; ++r) {
+    __m512 p[16];
+    for (int i = 0; i < 16; ++i) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * D), _mm512_loadu_ps(K + i * D));
+      for (int64_t d = 16; d < D; d += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), _mm512_loadu_ps(K + i * D + d), acc);
+      p[i] = acc;
+    }
+    _mm512_storeu_ps(s + r * len, _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
 /* One sequence's kv head: its rep query heads q [rep, D] over len cached positions of K and V [len, D].
-   Each key and value row is read once for all rep heads. Inlined with a constant D where it is one, so that
-   the loops over D compile to a few whole vector instructions. */
-static inline __attribute__((always_inline)) void attend_one_head(const float* q, int64_t rep, const float* K,
-                                                                  const float* V, int64_t len, const int64_t D,
-                                                                  float scale, float* out, float* s) {
-  for (int64_t t = 0; t < len; ++t) {
+   Each key and value row is read once for all rep heads. Inlined with constant rep and D where they are the
+   common ones, so that the loops over D compile to whole vector instructions and each head's output stays in
+   registers while the values stream past. */
+static inline __attribute__((always_inline)) void attend_one_head(const float* restrict q, const int64_t rep,
+                                                                  const float* restrict K, const float* restrict V,
+                                                                  int64_t len, const int64_t D, float scale,
+                                                                  float* restrict out, float* restrict s) {
+  int64_t t = 0;
+#ifdef __AVX512F__
+  if (D % 16 == 0)
+    for (; t + 16 <= len; t += 16) scores16(q, rep, K + t * D, D, len, scale, s + t);
+#endif
+  for (; t < len; ++t) {
     const float* kt = K + t * D;
     for (int64_t r = 0; r < rep; ++r) {
       const float* qr = q + r * D;
@@ -87,32 +145,38 @@ static inline __attribute__((always_inline)) void attend_one_head(const float* q
   }
   for (int64_t r = 0; r < rep; ++r) {
     float* sr = s + r * len;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) mx = sr[t] > mx ? sr[t] : mx;
+    const float mx = max_of(sr, len);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
       sr[t] = exp_nonpositive(sr[t] - mx);
       sum += sr[t];
     }
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sr[t] *= inv;
-  }
-  for (int64_t i = 0; i < rep * D; ++i) out[i] = 0.f;
-  for (int64_t t = 0; t < len; ++t) {
-    const float* vt = V + t * D;
-    for (int64_t r = 0; r < rep; ++r) {
-      const float a = s[r * len + t];
-      float* o = out + r * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += a * vt[d];
+    float acc[4][D]; /* four running sums, so that consecutive multiply-adds do not wait for each other */
+    for (int64_t d = 0; d < D; ++d) acc[0][d] = acc[1][d] = acc[2][d] = acc[3][d] = 0.f;
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4)
+      for (int64_t u = 0; u < 4; ++u) {
+        const float a = sr[t + u];
+        const float* vt = V + (t + u) * D;
+        for (int64_t d = 0; d < D; ++d) acc[u][d] += a * vt[d];
+      }
+    for (; t < len; ++t) {
+      const float a = sr[t];
+      const float* vt = V + t * D;
+      for (int64_t d = 0; d < D; ++d) acc[0][d] += a * vt[d];
     }
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = ((acc[0][d] + acc[1][d]) + (acc[2][d] + acc[3][d])) * inv;
   }
 }
 
-/* Attention of nd decoding tokens (one query each) over their cached keys and values, grouped-query heads:
+/* Attention of nd tokens over their sequences' cached keys and values, grouped-query heads:
    out[b, h] = softmax(scale * q[b, h] . K[slot_b, h / rep, :len_b]) @ V[slot_b, h / rep, :len_b], rep = H / KV.
-   q rows qs floats apart ([nd, H, D] within a row); caches as in rope_and_cache; out [nd, H, D] contiguous;
-   scratch holds rep * max(len) floats. Only the len_b cached positions of each sequence are read. */
-void decode_attention(const float* q, int64_t qs, const float* k_cache, const float* v_cache, int64_t cs0,
+   A decoding token has len = its sequence's length; a prompt token len = its position + 1, which makes a prefill
+   chunk causal (its keys are in the cache already, written by rope_and_cache). q rows qs floats apart ([nd, H, D]
+   within a row); caches as in rope_and_cache; out [nd, H, D] contiguous; scratch holds rep * max(len) floats.
+   Only the len_b cached positions of each sequence are read. */
+void cached_attention(const float* q, int64_t qs, const float* k_cache, const float* v_cache, int64_t cs0,
                       int64_t cs1, const int64_t* slots, const int64_t* lens, int64_t nd, int64_t H, int64_t KV,
                       int64_t D, float scale, float* out, float* scratch) {
   const int64_t rep = H / KV;
@@ -121,12 +185,22 @@ void decode_attention(const float* q, int64_t qs, const float* k_cache, const fl
       const int64_t at = slots[b] * cs0 + g * cs1;
       const float* qg = q + b * qs + g * rep * D;
       float* og = out + (b * H + g * rep) * D;
-      switch (D) {
-        case 64: attend_one_head(qg, rep, k_cache + at, v_cache + at, lens[b], 64, scale, og, scratch); break;
-        case 128: attend_one_head(qg, rep, k_cache + at, v_cache + at, lens[b], 128, scale, og, scratch); break;
-        case 32: attend_one_head(qg, rep, k_cache + at, v_cache + at, lens[b], 32, scale, og, scratch); break;
-        default: attend_one_head(qg, rep, k_cache + at, v_cache + at, lens[b], D, scale, og, scratch);
-      }
+      const float *kg = k_cache + at, *vg = v_cache + at;
+      const int64_t len = lens[b];
+#define ATTEND(R, DIM) attend_one_head(qg, R, kg, vg, len, DIM, scale, og, scratch)
+      if (D == 32 && rep == 2) ATTEND(2, 32);
+      else if (D == 32 && rep == 1) ATTEND(1, 32);
+      else if (D == 32 && rep == 4) ATTEND(4, 32);
+      else if (D == 64 && rep == 1) ATTEND(1, 64);
+      else if (D == 64 && rep == 2) ATTEND(2, 64);
+      else if (D == 64 && rep == 4) ATTEND(4, 64);
+      else if (D == 64 && rep == 7) ATTEND(7, 64);
+      else if (D == 128 && rep == 1) ATTEND(1, 128);
+      else if (D == 128 && rep == 2) ATTEND(2, 128);
+      else if (D == 128 && rep == 4) ATTEND(4, 128);
+      else if (D == 128 && rep == 7) ATTEND(7, 128);
+      else ATTEND(rep, D);
+#undef ATTEND
     }
   }
 }
@@ -143,5 +217,41 @@ void silu_mul(const float* gu, int64_t N, int64_t I, float* out) {
       const float sig = g[j] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
       o[j] = g[j] * sig * u[j];
     }
+  }
+}
+
+/* One token per row of logits [B, V] (contiguous), drawn by the inverse CDF at u[b] in [0, 1) of
+   softmax(logits[b] / temp[b]); temp[b] <= 0 is greedy (the first argmax). logprob[b] is the token's log
+   probability under the distribution it was drawn from (temperature 1 for greedy), as sampling.py defines it.
+   scratch holds V floats. */
+void sample_rows(const float* logits, int64_t B, int64_t V, const float* temp, const float* u, int64_t* tokens,
+                 float* logprobs, float* scratch) {
+  for (int64_t b = 0; b < B; ++b) {
+    const float* x = logits + b * V;
+    const float mx = max_of(x, V);
+    const int greedy = !(temp[b] > 0.f);
+    const float inv_t = greedy ? 1.f : 1.f / temp[b];
+    float sum = 0.f;
+    int64_t i;
+    for (i = 0; i < V; ++i) {
+      scratch[i] = exp_nonpositive((x[i] - mx) * inv_t);
+      sum += scratch[i];
+    }
+    int64_t tok = -1, last = 0;
+    if (greedy) {
+      for (i = 0; i < V && tok < 0; ++i)
+        if (x[i] == mx) tok = i;
+    } else {
+      const float target = u[b] * sum;
+      float c = 0.f;
+      for (i = 0; i < V && tok < 0; ++i) {
+        c += scratch[i];
+        last = scratch[i] > 0.f ? i : last;
+        if (c > target) tok = i;
+      }
+    }
+    if (tok < 0) tok = last; /* rounding left the running sum under the target: the last possible token */
+    tokens[b] = tok;
+    logprobs[b] = (x[tok] - mx) * inv_t - logf(sum);
   }
 }

@@ -41,8 +41,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_P, _I, _P, _I, _I, _F, _P],
     "rope_and_cache": [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I],
-    "decode_attention": [_P, _I, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P, _P],
+    "cached_attention": [_P, _I, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P, _P],
     "silu_mul": [_P, _I, _I, _P],
+    "sample_rows": [_P, _I, _I, _P, _P, _P, _P, _P],
 }
 
 
@@ -54,12 +55,12 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(cc: str, out: Path) -> None:
+def _build(cc: str, out: Path, flags: list[str] = FLAGS) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -87,11 +88,15 @@ def load() -> ctypes.CDLL | None:
     try:
         if not so.exists():
             _build(cc, so)
-        lib = ctypes.CDLL(str(so))
+        return _open(so)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("could not build the CPU kernels (%s): the CPU forward uses torch ops", str(detail).strip()[:500])
         return None
+
+
+def _open(so: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(so))
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
@@ -123,13 +128,14 @@ class Kernels:
                                 positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                 k_cache.stride(0), k_cache.stride(1))
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    def cached_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                          lens: torch.Tensor, max_len: int, scale: float, out: torch.Tensor) -> None:
-        """q [nd, H, D] (rows may be strided), caches [slots, KV, T, D], out [nd, H, D] contiguous."""
+        """q [nd, H, D] (rows may be strided), caches [slots, KV, T, D], out [nd, H, D] contiguous; each row
+        attends to the first lens[row] positions of its slot (max_len = max(lens))."""
         nd, H, D = q.shape
         KV = k_cache.shape[1]
         scratch = torch.empty((H // KV) * max_len, dtype=torch.float32)
-        self.lib.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        self.lib.cached_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                   k_cache.stride(0), k_cache.stride(1), slots.data_ptr(), lens.data_ptr(), nd, H, KV,
                                   D, scale, out.data_ptr(), scratch.data_ptr())
 
@@ -139,3 +145,14 @@ class Kernels:
         out = torch.empty(n, two_i // 2, dtype=gu.dtype)
         self.lib.silu_mul(gu.data_ptr(), n, two_i // 2, out.data_ptr())
         return out
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] contiguous, temperature and u [B] float32: (tokens [B] int64, logprobs [B] float32), as
+        sampling.sample computes them for rows without top-k / top-p."""
+        B, V = logits.shape
+        tokens = torch.empty(B, dtype=torch.long)
+        logprobs = torch.empty(B, dtype=torch.float32)
+        scratch = torch.empty(V, dtype=torch.float32)
+        self.lib.sample_rows(logits.data_ptr(), B, V, temperature.data_ptr(), u.data_ptr(), tokens.data_ptr(),
+                             logprobs.data_ptr(), scratch.data_ptr())
+        return tokens, logprobs

@@ -19,6 +19,7 @@ class HFRunner:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int):
         self.model = model
         self.device = next(model.parameters()).device
+        self.kernels = None  # the C kernels (sampling included) are the llama path's
         self.caches: dict[int, DynamicCache] = {}
         # transformers renamed `past_key_values` to `cache` during 5.x
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -12,9 +12,10 @@ length; prefill chunks attend one sequence at a time with a causal mask offset b
 Measured on CPU, fp32, 1 thread (why it looks like this): at batch 128 the matmuls are ~30% of an unfused step;
 the rest was per-op overhead. Fusions here (rms_norm, rope in place with a signed sin table, k/v written by one
 index_copy_, mask+scale folded into baddbmm, residual folded into addmm) each remove one or more full passes.
-On CPU in float32 the norms, rope + KV write, the gated activation and (with one thread) the decode attention run
-as C kernels instead (cpu_kernels.py: one pass each, and decode attention reads only each sequence's own length,
-straight from its slot); the torch ops above remain the path everywhere else and the reference in the tests.
+On CPU in float32 the norms, rope + KV write, the gated activation and (with one thread) the attention run as C
+kernels instead (cpu_kernels.py: one pass each; the attention of every token of the step, decodes and prompt
+chunks alike, is one call that reads only each token's own cached prefix, straight from its slot); the torch ops
+above remain the path everywhere else and the reference in the tests.
 
 Precision (precision.py): the HF parameters stay the master copy; `self.gen` holds the weights the forward
 computes with (in float32 the master tensors, the large ones also pre-packed for oneDNN on CPU; bf16 copies or
@@ -158,7 +159,10 @@ class LlamaRunner:
             kv_rows = self._kv_index(plan)
         T = plan.max_decode_len  # decodes attend only up to the longest one
         # the C attention is single-threaded; with more threads torch's batched matmuls use them all
-        c_attention = C is not None and nd and torch.get_num_threads() == 1
+        c_attention = C is not None and torch.get_num_threads() == 1
+        if c_attention:  # every token over its own cached prefix: decodes, and prompt chunks causally
+            lens = plan.positions + 1
+        torch_prefills = () if c_attention else plan.prefills  # else one masked SDPA per chunk
         if nd and not c_attention:  # -inf past each sequence's length
             first = plan.decode_first_slot
             d_slots = plan.token_slots[:nd]
@@ -166,7 +170,7 @@ class LlamaRunner:
             d_mask.masked_fill_(torch.arange(T, device=self.device)[None] >= plan.decode_lens[:, None, None], float("-inf"))
             d_mask = d_mask.repeat_interleave(KV, 0)  # [nd * KV, 1, T], broadcast over the rep query heads
         p_masks = []
-        for slot, start, c, off in plan.prefills:
+        for slot, start, c, off in torch_prefills:
             qpos = torch.arange(start, start + c, device=self.device)[:, None]
             p_masks.append(torch.arange(start + c, device=self.device)[None] <= qpos)
         for li, L in enumerate(G.layers):
@@ -183,8 +187,7 @@ class LlamaRunner:
                 cache.view(-1, D).index_copy_(0, kv_rows, qkv[:, H * D :].reshape(-1, D))
             out = torch.empty(n_tok, H, D, dtype=x.dtype, device=self.device)
             if c_attention:
-                C.decode_attention(qk[:nd, :H], kc, vc, plan.token_slots[:nd], plan.decode_lens, T, self.scale,
-                                   out[:nd])
+                C.cached_attention(qk[:, :H], kc, vc, plan.token_slots, lens, plan.max_len, self.scale, out)
             elif nd:
                 if first is not None:  # a view, no copy
                     kd, vd = kc[first : first + nd, :, :T], vc[first : first + nd, :, :T]
@@ -196,7 +199,7 @@ class LlamaRunner:
                 a = torch.softmax(s, dim=-1)
                 torch.bmm(a, vd.reshape(nd * KV, T, D), out=out[:nd].view(nd * KV, rep, D))
             q = qk[:, :H]
-            for (slot, start, c, off), m in zip(plan.prefills, p_masks):
+            for (slot, start, c, off), m in zip(torch_prefills, p_masks):
                 qp = q[off : off + c].transpose(0, 1).unsqueeze(0)  # [1, H, c, D]
                 kp = kc[slot, :, : start + c].unsqueeze(0)
                 vp = vc[slot, :, : start + c].unsqueeze(0)

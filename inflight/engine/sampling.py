@@ -59,8 +59,12 @@ def sample(
     u: torch.Tensor,  # [B] float32 uniform in [0, 1)
     num_top: int = 0,  # how many top logprobs to return per row (max over rows)
     filtered: bool = True,  # False when no row uses top-p / top-k (skips a full-vocab sort)
+    kernels=None,  # cpu_kernels.Kernels: unfiltered float32 CPU rows without top logprobs in one C pass each
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Returns (tokens [B], logprobs [B], (top values [B, k], top ids [B, k]) or None)."""
+    if kernels is not None and not filtered and num_top == 0 and logits.dtype == torch.float32 \
+            and logits.device.type == "cpu":
+        return (*kernels.sample(logits.contiguous(), temperature, u), None)
     B, V = logits.shape
     greedy = temperature <= 0
     n_greedy = int(greedy.sum())  # host-side branches below skip whole-vocab passes nobody needs

@@ -66,7 +66,8 @@ class _Generation:
         live = len(self.choices)  # choices still wanted by the client
         engine_live = set(range(len(self.choices)))  # choices the engine has not finished
         try:
-            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params):
+            # without stop strings or streaming nothing is needed before the end: the engine hands it all at once
+            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params, stream=self.incremental):
                 ch = self.choices[ev.index]
                 if ev.finish_reason is not None:
                     engine_live.discard(ev.index)

@@ -22,6 +22,7 @@ class StepPlan:
     prefills: list[tuple[int, int, int, int]]  # (slot, start position, chunk length, offset in tokens)
     out_rows: torch.Tensor  # [R] int64, flat rows whose next-token logits are wanted, in sampling order
     max_decode_len: int = 0  # max(decode_lens), known on the host without a sync
+    max_len: int = 0  # max(positions) + 1 over all tokens, likewise
     decode_first_slot: int | None = None  # set when the decode slots are first, first+1, ... (no gather needed)
 
     @staticmethod
@@ -33,13 +34,14 @@ class StepPlan:
         out: list[int] = []
         prefills: list[tuple[int, int, int, int]] = []
         num_decode = 0
-        max_len = 0
+        max_decode_len = max_len = 0
         for (slot, start, ids), want in zip(chunks, want_logits):
             off = len(toks)
             c = len(ids)
+            max_len = max(max_len, start + c)
             if c == 1 and not prefills and start > 0:
                 num_decode += 1
-                max_len = max(max_len, start + 1)
+                max_decode_len = max(max_decode_len, start + 1)
             else:
                 prefills.append((slot, start, c, off))
             toks.extend(ids)
@@ -59,6 +61,7 @@ class StepPlan:
             decode_lens=(positions[:num_decode] + 1).to(device),
             prefills=prefills,
             out_rows=torch.tensor(out, dtype=torch.long, device=device),
-            max_decode_len=max_len,
+            max_decode_len=max_decode_len,
+            max_len=max_len,
             decode_first_slot=first,
         )

@@ -203,6 +203,30 @@ def test_seed_reproducible_regardless_of_neighbours(engine):
     assert [e.token_id for e in other] != [e.token_id for e in choice(alone, 0)]
 
 
+def test_stream_false_hands_over_everything_once_at_the_end(engine):
+    """The same seeded tokens and logprobs as streaming; the first event arrives only once the request has ended
+    (its id is free again), where a streaming consumer sees its first token while the request still runs."""
+    sp = SamplingParams(seed=7, max_tokens=30, ignore_eos=True, n=2)
+
+    async def run(rid: str, stream: bool) -> tuple[list[TokenEvent], bool]:
+        events, running_at_first = [], None
+        async for ev in engine.generate(rid, PROMPTS[1], sp, stream=stream):
+            if running_at_first is None:
+                with engine._cv:
+                    running_at_first = rid in engine._ids
+            events.append(ev)
+        return events, running_at_first
+
+    streamed, streamed_running = asyncio.run(run("st1", True))
+    held, held_running = asyncio.run(run("st2", False))
+    assert streamed_running and not held_running
+    for i in range(2):
+        a, b = choice(streamed, i), choice(held, i)
+        assert [e.token_id for e in a] == [e.token_id for e in b] and len(a) == 30
+        assert [e.logprob for e in a] == [e.logprob for e in b]
+        assert b[-1].finish_reason == "length" and all(e.finish_reason is None for e in b[:-1])
+
+
 def test_stop_token_and_max_tokens(engine):
     free = asyncio.run(collect(engine, "f", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
     toks = [e.token_id for e in free]

@@ -25,6 +25,17 @@ def K() -> cpu_kernels.Kernels:
     return cpu_kernels.Kernels(lib)
 
 
+@pytest.fixture(scope="module")
+def K_portable(K, tmp_path_factory) -> cpu_kernels.Kernels:
+    """The same source built without AVX-512 where the host has it: the plain-C paths that other CPUs run."""
+    if "avx512f" not in cpu_kernels._cpu_id():
+        return K
+    so = tmp_path_factory.mktemp("kernels") / "portable.so"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    cpu_kernels._build(cc, so, [*cpu_kernels.FLAGS, "-mno-avx512f"])
+    return cpu_kernels.Kernels(cpu_kernels._open(so))
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-6) -> None:
     err = ((got.double() - want) / want.abs().clamp_min(1.0)).abs().max().item()
     assert err < tol, err
@@ -92,8 +103,10 @@ def _attention64(q, kc, vc, slots, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("H,KV,D", [(4, 2, 32), (8, 8, 64), (6, 2, 48), (4, 1, 128)])  # 48: the generic path
-def test_decode_attention_matches_float64_and_reads_only_cached_positions(K, H, KV, D):
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("H,KV,D", [(4, 2, 32), (8, 8, 64), (6, 2, 48), (4, 1, 128), (14, 2, 24)])  # 48, 24: generic
+def test_cached_attention_matches_float64_and_reads_only_cached_positions(K, K_portable, build, H, KV, D):
+    K = K if build == "native" else K_portable
     g = torch.Generator().manual_seed(H * D)
     T, nd = 40, 5
     kc, vc = torch.randn(7, KV, T, D, generator=g) * 2, torch.randn(7, KV, T, D, generator=g)
@@ -106,7 +119,7 @@ def test_decode_attention_matches_float64_and_reads_only_cached_positions(K, H, 
     q = row[:, : H * D].view(nd, H, D)
     out = torch.empty(nd, H, D)
     scale = 1 / math.sqrt(D)
-    K.decode_attention(q, kc, vc, slots, lens, int(lens.max()), scale, out)
+    K.cached_attention(q, kc, vc, slots, lens, int(lens.max()), scale, out)
     _close(out, _attention64(q, kc, vc, slots, lens, scale))
 
 
@@ -141,14 +154,19 @@ def _compare_runners(tiny_model_dir) -> None:
     prompts = {5: 9, 1: 3, 3: 6}  # slot: prompt length
     steps = [[(s, 0, torch.randint(3, vocab, (n,), generator=g).tolist()) for s, n in prompts.items()]]
     lens = dict(prompts)
-    for _ in range(4):
+    late = torch.randint(3, vocab, (11,), generator=g).tolist()  # slot 0 joins late, its prompt in two chunks
+    for i in range(4):
         steps.append([(s, lens[s], [int(torch.randint(3, vocab, (1,), generator=g))]) for s in sorted(lens)])
         lens = {s: n + 1 for s, n in lens.items()}
+        if i == 2:
+            steps[-1].append((0, 0, late[:4]))
+        if i == 3:  # a chunk continuing a cached prefix, beside decodes: causal over prefix + itself
+            steps[-1].append((0, 4, late[4:]))
     for chunks in steps:
         plan = StepPlan.build(chunks, [True] * len(chunks), torch.device("cpu"))
         with_c, without = (r.forward(plan) for r in runners)
         assert (with_c - without).abs().max().item() < 1e-5
-    assert plan.num_decode == 3 and plan.decode_first_slot is None
+    assert plan.num_decode == 3 and plan.decode_first_slot is None and plan.prefills[0][1:3] == (4, 7)
 
 
 def test_built_once_into_the_cache_and_off_or_missing_falls_back(tmp_path, monkeypatch, caplog):
@@ -182,3 +200,42 @@ def test_not_used_off_cpu_float32():
     assert not cpu_kernels.usable(torch.device("cpu"), torch.bfloat16, 32)
     assert not cpu_kernels.usable(torch.device("meta"), torch.float32, 32)
     assert not cpu_kernels.usable(torch.device("cpu"), torch.float32, cpu_kernels.MAX_HEAD_DIM + 1)
+
+
+def test_sample_rows_match_float64_inverse_cdf_and_torch_sampler(K):
+    """Tokens by the inverse CDF at u of softmax(logits / T) (greedy at T = 0), logprobs under that distribution:
+    against float64, and the same tokens as sampling.sample's torch path for the same u."""
+    from inflight.engine.sampling import sample
+
+    g = torch.Generator().manual_seed(3)
+    B, V = 64, 1000
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[5, 7:900] = float("-inf")  # masked tokens are never drawn
+    temp = torch.tensor([0.0, 0.3, 1.0, 1.7] * (B // 4))
+    u = torch.rand(B, generator=g)
+    u[2], u[3] = 0.0, 1 - 2**-24  # the ends of [0, 1)
+    tokens, logprobs = K.sample(logits, temp, u)
+
+    x = logits.double()
+    greedy = temp == 0
+    t = torch.where(greedy, torch.ones_like(temp), temp).double()
+    logp = torch.log_softmax(x / t[:, None], -1)
+    cdf = logp.exp().cumsum(-1)
+    for b in range(B):
+        if greedy[b]:
+            want = int(x[b].argmax())
+        else:
+            target = float(u[b]) * float(cdf[b, -1])
+            want = int((cdf[b] > target).nonzero()[0])
+            lo = float(cdf[b, want - 1]) if want else 0.0
+            if min(target - lo, float(cdf[b, want]) - target) < 1e-5:  # within rounding of a boundary
+                continue
+        assert int(tokens[b]) == want, b
+        assert abs(float(logprobs[b]) - float(logp[b, want])) < 1e-5, b
+    assert int(tokens[5]) < 7 or int(tokens[5]) >= 900
+
+    ones = torch.ones(B)
+    t_tok, t_lp, _ = sample(logits, temp, ones, torch.zeros(B, dtype=torch.long), u, 0, False)
+    assert (t_tok != tokens).sum() <= 1  # a boundary case at most
+    same = t_tok == tokens
+    assert (t_lp[same] - logprobs[same]).abs().max() < 1e-5

@@ -65,9 +65,11 @@ class VLLMEngine:
                    seed=None if p.seed is None else p.seed + index,  # n choices: n different streams
                    logprobs=p.top_logprobs, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       stream: bool = True) -> AsyncIterator[TokenEvent]:
         """n choices = n vLLM requests (vLLM's prefix cache shares the prompt); events merged as they come. (The
-        server holds a request with a min_weight_version until the weights reach it, before this is called.)"""
+        server holds a request with a min_weight_version until the weights reach it, before this is called.)
+        `stream` is accepted for the built-in engine's signature: tokens' versions are read while they stream."""
         params.check(self.max_batch)
         queue: asyncio.Queue = asyncio.Queue()
         sub_ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:6]}" for i in range(params.n)]
