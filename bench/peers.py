@@ -18,9 +18,11 @@ and the share of the machine's matmul peak: FLOPs the run needed (8 N (P + C) pe
 generate, 6 N to train, N = parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s
 measured here on all cores (1024^3 fp32, best of 5, before and after).
 
-Evaluation: inflight evaluates every 10 steps through its servers (greedy, 200 held-out problems), TRL every 10
-steps with HF `generate` (greedy, the same 200, bench/peers/arith_eval.py; its time is left out of TRL's clock).
-To check the two agree, inflight's final checkpoint is evaluated again with the HF function.
+Evaluation: every 10 steps, greedy on the same 200 held-out problems with HF `generate`
+(bench/peers/arith_eval.py), off the clock for both: TRL evaluates in its loop and subtracts the seconds; inflight
+saves a checkpoint every 10 steps (its ~20 ms saves stay on its clock) and the checkpoints are scored after the run.
+`--inflight-eval servers` has inflight evaluate through its own servers while it trains instead, as before: the
+same scoring, but its 200 requests then share the servers' CPU with the rollouts, on inflight's clock.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -122,28 +125,47 @@ def free_port() -> int:
 
 # ---- runs -----------------------------------------------------------------------------------------------------
 
+def hf_accuracies(models: list[Path]) -> list[float]:
+    """arith_eval.py's held-out accuracy of each saved model, in one process."""
+    out = subprocess.run([PY, str(HERE / "arith_eval.py"), *map(str, models)], capture_output=True, text=True,
+                         check=True)
+    return [float(line) for line in out.stdout.split()]
+
+
 def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
-                 run_dir: Path, extra: list[str], lr: float) -> dict:
+                 run_dir: Path, extra: list[str], lr: float, eval_on: str) -> dict:
+    """eval_on "checkpoints": a checkpoint every eval_every steps, scored afterwards with arith_eval.py (TRL's
+    function; like TRL's, off the clock); "servers": inflight's own evaluation through its servers while it trains
+    (the same greedy scoring, but its 200 requests share the servers' CPU with the rollouts, on the clock)."""
     config = {"pipelined": "configs/cpu-demo.yaml", "sync": "configs/cpu-sync.yaml"}[mode]
     name = f"peers-{mode}-{tag}" + "".join(f"-{e.replace('=', '')}" for e in extra)
+    evaluation = ([f"actor.eval_every={eval_every}"] if eval_on == "servers" else
+                  ["actor.eval_every=0", f"pipeline.checkpoint_every={eval_every}", "pipeline.keep_checkpoints=100000"])
     cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
            f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
-           'task.prompt="{expr}="', f"actor.eval_every={eval_every}", "pipeline.progress=false", f"trainer.lr={lr}",
+           'task.prompt="{expr}="', *evaluation, "pipeline.progress=false", f"trainer.lr={lr}",
            "pipeline.tensorboard=false",
            f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}", *extra]
     sh(cmd, stdout=subprocess.DEVNULL)
     recs = [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
     t0 = next(r["time"] for r in recs if r.get("event") == "roles_started")
-    steps = [(r["time"] - t0, r["samples_total"], r["tokens"] / max(1, r["samples"]))
-             for r in recs if r.get("event") == "train_step"]
+    train = [r for r in recs if r.get("event") == "train_step"]
+    steps = [(r["time"] - t0, r["samples_total"], r["tokens"] / max(1, r["samples"])) for r in train]
+    ckpts = run_dir / name / "checkpoints"
     evals = []
-    for r in recs:
-        if r.get("event") == "eval" and r.get("accuracy") is not None:
-            done = [s for t, s, _ in steps if t <= r["time"] - t0]
-            evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
-    hf = subprocess.run([PY, str(HERE / "arith_eval.py"), str(run_dir / name / "checkpoints" / "final")],
-                        capture_output=True, text=True)
-    final_hf = float(hf.stdout.split()[-1]) if hf.returncode == 0 and hf.stdout.split() else None
+    if eval_on == "servers":
+        for r in recs:
+            if r.get("event") == "eval" and r.get("accuracy") is not None:
+                done = [s for t, s, _ in steps if t <= r["time"] - t0]
+                evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
+    else:
+        at = {r["step"]: (r["time"] - t0, r["samples_total"]) for r in train}
+        saved = sorted((int(p.name.split("_")[1]), p) for p in ckpts.glob("step_*") if int(p.name.split("_")[1]) in at)
+        accs = hf_accuracies([model, *(p for _, p in saved)])
+        evals = [(0.0, 0, accs[0])] + [(*at[k], a) for (k, _), a in zip(saved, accs[1:])]
+        for _, p in saved:  # ~7 MB each; the final checkpoint stays
+            shutil.rmtree(p)
+    final_hf = hf_accuracies([ckpts / "final"])[0]
     return {"steps": steps, "evals": evals, "final_hf": final_hf, "cmd": shlex.join(cmd)}
 
 
@@ -201,6 +223,9 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy to reach")
     ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every system (constant, AdamW)")
     ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps between held-out evaluations")
+    ap.add_argument("--inflight-eval", choices=("checkpoints", "servers"), default="checkpoints",
+                    help="score inflight from checkpoints afterwards with TRL's function, off the clock as TRL's is "
+                         "(default), or through its servers while it trains, on the clock")
     ap.add_argument("--trl-threads", type=int, default=1,
                     help="torch threads of TRL's one process (inflight: 1 per server + 1 trainer); on a shared, "
                          "oversubscribed machine 2 threads made TRL 16x slower (OpenMP barriers)")
@@ -245,7 +270,7 @@ def main() -> None:
                            int(extra[0]) if extra else args.trl_threads, args.lr)
                    if kind == "trl" else
                    run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra,
-                                args.lr))
+                                args.lr, args.inflight_eval))
             cmds[system] = res["cmd"]
             runs[system].append(res)
             print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",

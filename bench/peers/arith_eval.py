@@ -27,14 +27,15 @@ def greedy_accuracy(model, tokenizer, task, max_new_tokens: int = 12, batch_size
 
 
 def main() -> None:
-    """`python arith_eval.py MODEL_DIR`: print the held-out greedy accuracy of a saved model."""
+    """`python arith_eval.py MODEL_DIR...`: print the held-out greedy accuracy of each saved model, one per line."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    path = sys.argv[1]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    print(greedy_accuracy(model, AutoTokenizer.from_pretrained(path), arith_task()))
+    task = arith_task()
+    for path in sys.argv[1:]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        print(greedy_accuracy(model, AutoTokenizer.from_pretrained(path), task), flush=True)
 
 
 if __name__ == "__main__":

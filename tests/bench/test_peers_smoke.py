@@ -27,6 +27,9 @@ def test_peers_prints_a_table(tiny_model_dir, tmp_path):
     assert out.startswith("machine: ") and "command: " in out
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| ((?:trl|pipelined|sync)[\w:.=]*) \| (.*)\|$", out, re.M)}
     assert sorted(rows) == sorted(systems), out
+    for system in systems:  # at the start, then every 2 steps (inflight: its checkpoints, scored afterwards)
+        evals = re.search(rf"^  {re.escape(system)} r0: 4 steps, evals \[(.*)\]$", out, re.M)
+        assert evals and len(evals.group(1).split(",")) == 3, (system, out)
     for system, row in rows.items():
         cells = [c.strip() for c in row.split("|")]
         assert float(cells[0].split()[0]) > 0, (system, row)  # samples/s
