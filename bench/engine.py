@@ -10,6 +10,9 @@ people's load; the CPU-time ratios are the ones to compare. The weight-update li
 paused per update (run_paused + load_weights of every parameter) and the bytes/s of applying it beside a plain
 memory copy of the same bytes.
 
+The engine's requests use `generate(..., stream=False)`: each request's tokens are handed over once when it ends,
+as HF's static batch returns them, and as the server does for requests that neither stream nor have stop strings.
+
 For each (model, batch) the engine, the engine with its C kernels turned off (torch ops instead: the ratio that
 justifies cpu_kernels.c), HF `generate` and (at --cb-batches) the CB manager run back to back, so they see the same
 machine load, --repeats times in turn (A B C A B C); the table gives medians, ratios with their min-max over the

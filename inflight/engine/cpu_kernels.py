@@ -4,8 +4,9 @@ compiler, loaded with ctypes, called on tensors' memory.
 Why: at our model sizes a decode step on CPU spent more time in small torch ops than in arithmetic. Measured on
 the small model at batch 32 (one thread, torch.profiler): `F.rms_norm` took ~50 us per [32, 256] call (it runs
 as 6 ops), the decode attention (mask, `baddbmm`, softmax, `bmm`) ~20% of the step, rope and the KV write
-another 6 ops per layer. The C versions do each in one pass; bench/engine.py measures the engine with and without
-them (1.15-1.24x at batch >= 32, 1.1-1.7x below), see docs/benchmarks.md.
+another 6 ops per layer, one masked SDPA per prompt chunk, sampling ~8 full-vocabulary passes. The C versions do
+each in one pass; bench/engine.py measures the engine with and without them (1.3-1.8x at batch >= 32, up to 2.4x
+below), see docs/benchmarks.md.
 
 Build: `cc -O3 -march=native` (plus the reassociation flags that let the reductions vectorize; not -ffast-math,
 whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else
