@@ -152,20 +152,21 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
     train = [r for r in recs if r.get("event") == "train_step"]
     steps = [(r["time"] - t0, r["samples_total"], r["tokens"] / max(1, r["samples"])) for r in train]
     ckpts = run_dir / name / "checkpoints"
-    evals = []
     if eval_on == "servers":
+        evals = []
         for r in recs:
             if r.get("event") == "eval" and r.get("accuracy") is not None:
                 done = [s for t, s, _ in steps if t <= r["time"] - t0]
                 evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
+        (final_hf,) = hf_accuracies([ckpts / "final"])
     else:
         at = {r["step"]: (r["time"] - t0, r["samples_total"]) for r in train}
-        saved = sorted((int(p.name.split("_")[1]), p) for p in ckpts.glob("step_*") if int(p.name.split("_")[1]) in at)
-        accs = hf_accuracies([model, *(p for _, p in saved)])
+        saved = sorted((step, p) for p in ckpts.glob("step_*") if (step := int(p.name.split("_")[1])) in at)
+        # the warm start (step 0), every saved step and the final checkpoint, in one process
+        *accs, final_hf = hf_accuracies([model, *(p for _, p in saved), ckpts / "final"])
         evals = [(0.0, 0, accs[0])] + [(*at[k], a) for (k, _), a in zip(saved, accs[1:])]
         for _, p in saved:  # ~7 MB each; the final checkpoint stays
             shutil.rmtree(p)
-    final_hf = hf_accuracies([ckpts / "final"])[0]
     return {"steps": steps, "evals": evals, "final_hf": final_hf, "cmd": shlex.join(cmd)}
 
 

@@ -159,15 +159,13 @@ class LlamaRunner:
             kv_rows = self._kv_index(plan)
         T = plan.max_decode_len  # decodes attend only up to the longest one
         # the C attention is single-threaded; with more threads torch's batched matmuls use them all
-        c_attention = C is not None and torch.get_num_threads() == 1
-        if c_attention:  # every token over its own cached prefix: decodes, and prompt chunks causally
-            lens = plan.positions + 1
+        c_attention = C is not None and torch.get_num_threads() == 1  # every token over its plan.lens cached keys
         torch_prefills = () if c_attention else plan.prefills  # else one masked SDPA per chunk
         if nd and not c_attention:  # -inf past each sequence's length
             first = plan.decode_first_slot
             d_slots = plan.token_slots[:nd]
             d_mask = torch.zeros(nd, 1, T, dtype=self.dtype, device=self.device)
-            d_mask.masked_fill_(torch.arange(T, device=self.device)[None] >= plan.decode_lens[:, None, None], float("-inf"))
+            d_mask.masked_fill_(torch.arange(T, device=self.device)[None] >= plan.lens[:nd, None, None], float("-inf"))
             d_mask = d_mask.repeat_interleave(KV, 0)  # [nd * KV, 1, T], broadcast over the rep query heads
         p_masks = []
         for slot, start, c, off in torch_prefills:
@@ -187,7 +185,7 @@ class LlamaRunner:
                 cache.view(-1, D).index_copy_(0, kv_rows, qkv[:, H * D :].reshape(-1, D))
             out = torch.empty(n_tok, H, D, dtype=x.dtype, device=self.device)
             if c_attention:
-                C.cached_attention(qk[:, :H], kc, vc, plan.token_slots, lens, plan.max_len, self.scale, out)
+                C.cached_attention(qk[:, :H], kc, vc, plan.token_slots, plan.lens, plan.max_len, self.scale, out)
             elif nd:
                 if first is not None:  # a view, no copy
                     kd, vd = kc[first : first + nd, :, :T], vc[first : first + nd, :, :T]

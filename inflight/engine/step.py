@@ -18,10 +18,10 @@ class StepPlan:
     positions: torch.Tensor  # [N] int64, position of each token in its sequence
     token_slots: torch.Tensor  # [N] int64, KV-cache slot of each token's sequence
     num_decode: int  # the first num_decode tokens are single-token decodes (one per sequence)
-    decode_lens: torch.Tensor  # [num_decode] int64, sequence length after this token (= position + 1)
+    lens: torch.Tensor  # [N] int64, length of each token's sequence up to and including it (= position + 1)
     prefills: list[tuple[int, int, int, int]]  # (slot, start position, chunk length, offset in tokens)
     out_rows: torch.Tensor  # [R] int64, flat rows whose next-token logits are wanted, in sampling order
-    max_decode_len: int = 0  # max(decode_lens), known on the host without a sync
+    max_decode_len: int = 0  # max(lens[:num_decode]), known on the host without a sync
     max_len: int = 0  # max(positions) + 1 over all tokens, likewise
     decode_first_slot: int | None = None  # set when the decode slots are first, first+1, ... (no gather needed)
 
@@ -58,7 +58,7 @@ class StepPlan:
             positions=positions.to(device),
             token_slots=torch.tensor(slots, dtype=torch.long, device=device),
             num_decode=num_decode,
-            decode_lens=(positions[:num_decode] + 1).to(device),
+            lens=(positions + 1).to(device),
             prefills=prefills,
             out_rows=torch.tensor(out, dtype=torch.long, device=device),
             max_decode_len=max_decode_len,
