@@ -126,6 +126,26 @@ def test_bad_updates_are_rejected_and_change_nothing(server, hf, sync):
     check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
 
 
+def test_dry_run_only_for_an_announcement_not_yet_taken(server, hf, sync, monkeypatch):
+    """The dry run checks names, shapes and dtypes: an announcement every server took on this group is not
+    checked again; another one (a wrong tensor) is, and is refused before any broadcast."""
+    paths = []
+    real = sync._post
+    monkeypatch.setattr(sync, "_post", lambda url, path, *a: paths.append(path) or real(url, path, *a))
+    sync.push(perturbed(hf, seed=6).items(), version=4)  # whatever came before, this announcement was taken
+    paths.clear()
+    new = perturbed(hf, seed=7)
+    sync.push(new.items(), version=5)
+    assert paths == ["/request_weight_update"]
+    check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
+    wrong = [(n, t if i else torch.zeros(2, 2)) for i, (n, t) in enumerate(new.items())]
+    paths.clear()
+    with pytest.raises(WeightSyncError, match="shape"):
+        sync.push(wrong, version=6)
+    assert paths == ["/check_weight_update"]
+    assert httpx.get(server.url + "/health").json()["version"] == 5
+
+
 def test_file_transport(server, hf):
     new = perturbed(hf, seed=5)
     c = WeightSyncClient([server.url], transport="file")

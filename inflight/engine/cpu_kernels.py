@@ -12,7 +12,8 @@ Build: `cc -O3 -march=native` (plus the reassociation flags that let the reducti
 whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else
 ~/.cache/inflight/kernels (XDG_CACHE_HOME honoured). The file is named by a hash of the source, the flags and the
 CPU, so a changed source or another CPU builds anew (~0.5 s); it is written to a temporary name and renamed, so
-concurrent processes never load a partial file. Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
+concurrent processes never load a partial file (`build_and_open` does the same for the trainer's
+row_attention.c). Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
 returns None and the runner uses torch ops. The kernels are single-threaded; ctypes releases the GIL while they run.
 """
 
@@ -56,12 +57,12 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build(cc: str, out: Path, flags: list[str] = FLAGS) -> None:
+def _build(cc: str, out: Path, flags: list[str] = FLAGS, source: Path = SOURCE) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -78,27 +79,32 @@ def kernel_dir() -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels library, or None (logged once) where it cannot be built here or is turned off."""
+    return build_and_open(SOURCE, _SIGNATURES)
+
+
+def build_and_open(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The library of one C source (built here once, see the header), or None with a warning."""
     if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: the CPU forward uses torch ops for norms, rope and decode attention")
+        log.warning("no C compiler found: %s is not built, torch ops run instead", source.name)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    so = kernel_dir() / f"cpu_kernels-{key}.so"
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    so = kernel_dir() / f"{source.stem}-{key}.so"
     try:
         if not so.exists():
-            _build(cc, so)
-        return _open(so)
+            _build(cc, so, FLAGS, source)
+        return _open(so, signatures)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("could not build the CPU kernels (%s): the CPU forward uses torch ops", str(detail).strip()[:500])
+        log.warning("could not build %s (%s): torch ops run instead", source.name, str(detail).strip()[:500])
         return None
 
 
-def _open(so: Path) -> ctypes.CDLL:
+def _open(so: Path, signatures: dict[str, list] = _SIGNATURES) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
-    for name, args in _SIGNATURES.items():
+    for name, args in signatures.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     return lib

@@ -16,6 +16,9 @@ from inflight.pipeline.metrics import MetricsLogger
 def _setup(cfg: Any, threads: int) -> None:
     import torch
 
+    from inflight.heap import retain_freed_memory
+
+    retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if threads > 0:
         torch.set_num_threads(threads)

@@ -42,8 +42,10 @@ def import_object(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _build_verifier(task_cfg: TaskConfig, verify_fn: str | None) -> Callable[[str, TaskSample, str], tuple]:
-    """Runs once in each worker: the task's verify (or a user function), returning plain (reward, label)."""
+def _build_verifier(task_cfg: TaskConfig, verify_fn: str | None) -> Callable[[list], list]:
+    """Runs once in each worker: the task's verify (or a user function) over a batch of (completion, sample,
+    finish_reason), giving per item ("ok", (reward, label)) or ("raised", message): one item that raises does not
+    fail the others."""
     if verify_fn:
         verify = import_object(verify_fn)
     else:
@@ -51,9 +53,15 @@ def _build_verifier(task_cfg: TaskConfig, verify_fn: str | None) -> Callable[[st
 
         verify = get_task(task_cfg).verify
 
-    def run(completion: str, sample: TaskSample, finish_reason: str) -> tuple[float, str]:
-        v = verify(completion, sample, finish_reason)
-        return float(v.reward), Verdict(v.label).value
+    def run(items: list[tuple[str, TaskSample, str]]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for completion, sample, finish_reason in items:
+            try:
+                v = verify(completion, sample, finish_reason)
+                out.append(("ok", (float(v.reward), Verdict(v.label).value)))
+            except Exception as exc:  # noqa: BLE001 - labelled 'error' by the caller
+                out.append(("raised", f"{type(exc).__name__}: {exc}"))
+        return out
 
     return run
 
@@ -131,31 +139,52 @@ class RewardService:
         base = self.reward_table.get(label.value, verifier_reward)
         return base - self.penalty(num_tokens, max_tokens)
 
-    def _score_one(self, item: ScoreItem) -> Verification:
-        completion, sample, finish_reason, num_tokens, max_tokens = item
+    def _outcomes(self, items: list[ScoreItem]) -> list[tuple[str, Any]]:
+        """One pool call for the whole batch (a group's completions: one pipe round trip instead of one per
+        completion). A batch that hangs past timeout_s or kills its worker is scored again one item per call, so
+        only the item at fault gets the error label (at most 2 x timeout_s for that item)."""
         assert self._pool is not None
-        outcome, value = self._pool.call((completion, sample, finish_reason), self.timeout_s)
-        with self._stats_lock:
-            self.stats["calls"] += 1
-            if outcome != "ok":
-                self.stats[outcome] += 1
+        outcome, value = self._pool.call(([(c, s, f) for c, s, f, _, _ in items],), self.timeout_s)
         if outcome == "ok":
-            verifier_reward, label = value[0], Verdict(value[1])
-        else:
-            log.warning("verifier %s on task sample %r: %s -> label 'error'", outcome, sample.id, value)
-            verifier_reward, label = 0.0, Verdict.error
-        return Verification(reward=self.reward(label, verifier_reward, num_tokens, max_tokens), label=label)
+            return value
+        if len(items) == 1:
+            return [(outcome, value)]
+        return [self._outcomes([item])[0] for item in items]
+
+    def _score_batch(self, items: list[ScoreItem]) -> list[Verification]:
+        out = []
+        for (_, sample, _, num_tokens, max_tokens), (outcome, value) in zip(items, self._outcomes(items)):
+            with self._stats_lock:
+                self.stats["calls"] += 1
+                if outcome != "ok":
+                    self.stats[outcome] += 1
+            if outcome == "ok":
+                verifier_reward, label = value[0], Verdict(value[1])
+            else:
+                log.warning("verifier %s on task sample %r: %s -> label 'error'", outcome, sample.id, value)
+                verifier_reward, label = 0.0, Verdict.error
+            out.append(Verification(reward=self.reward(label, verifier_reward, num_tokens, max_tokens), label=label))
+        return out
+
+    def _batches(self, completions: list[ScoreItem]) -> list[list[ScoreItem]]:
+        """Up to one batch per worker, in order."""
+        size = -(-len(completions) // self.workers)
+        return [completions[i : i + size] for i in range(0, len(completions), size)]
 
     async def score(self, completions: list[ScoreItem]) -> list[Verification]:
-        """Verify each completion in the worker pool (never on the event loop); results in input order."""
+        """Verify the completions in the worker pool (never on the event loop); results in input order."""
+        if not completions:
+            return []
         if self._pool is None:
             await asyncio.to_thread(self.start)
         loop = asyncio.get_running_loop()
-        jobs = [loop.run_in_executor(self._threads, self._score_one, c) for c in completions]
-        return list(await asyncio.gather(*jobs))
+        jobs = [loop.run_in_executor(self._threads, self._score_batch, b) for b in self._batches(completions)]
+        return [v for batch in await asyncio.gather(*jobs) for v in batch]
 
     def score_sync(self, completions: list[ScoreItem]) -> list[Verification]:
         """Blocking variant for code without an event loop."""
+        if not completions:
+            return []
         self.start()
         assert self._threads is not None
-        return list(self._threads.map(self._score_one, completions))
+        return [v for batch in self._threads.map(self._score_batch, self._batches(completions)) for v in batch]

@@ -26,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from inflight.trainer.row_attention import Rows, row_attention, usable
+
 NAME = "inflight_packed"
 _PAD_SLACK = 1.25  # a bucket's padded area may exceed its real area by this factor
 _PACKED_CALL = contextvars.ContextVar("inflight_packed_call", default=False)
@@ -89,6 +91,18 @@ def _buckets(cu_seq_lens: torch.Tensor, device) -> list:
     return out
 
 
+def _rows(cu_seq_lens: torch.Tensor) -> Rows:
+    """One row per sample for the C attention; cached like the buckets."""
+    key = ("rows", tuple(cu_seq_lens.tolist()))
+    if key not in _INDEX_CACHE:
+        bounds = key[1]
+        rows = Rows.packed([e - s for s, e in zip(bounds[:-1], bounds[1:])])
+        if not _PACKED_CALL.get():
+            return rows
+        _INDEX_CACHE[key] = rows
+    return _INDEX_CACHE[key]
+
+
 def packed_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
@@ -112,6 +126,8 @@ def packed_sdpa(
         from inflight.trainer.prefix import shared_sdpa
 
         return shared_sdpa(query, key, value, inflight_layout, dropout, scaling), None
+    if dropout == 0.0 and usable(query, key, value):
+        return row_attention(query, key, value, _rows(cu_seq_lens_q), scaling), None
     gqa = query.shape[1] != key.shape[1]  # grouped-query attention: SDPA shares each kv head (no repeat copies)
     heads = query.shape[1]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from inflight.contracts import TrainBatch
 from inflight.trainer.attention import length_buckets
+from inflight.trainer.row_attention import Rows, row_attention, usable
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SharedLayout:
     back: torch.Tensor  # [T] compact index of every packed token
     # per length bucket of samples: (src, dst, out_src, out_dst, rows, width), see shared_sdpa; dst None: no padding
     buckets: list[tuple]
+    rows: Rows  # the same rows for the C attention (row_attention.py)
 
     @property
     def num_tokens(self) -> int:
@@ -93,12 +95,14 @@ def shared_layout(batch: TrainBatch, device: torch.device | str) -> SharedLayout
         full = len(src) == len(members) * width  # no padding: dst is 0..n-1, a plain gather fills the bucket
         buckets.append((src_t, None if full else dst_t, osrc_t, odst_t, len(members), width))
     return SharedLayout(torch.tensor(c_ids, device=device), torch.tensor(c_pos, device=device),
-                        torch.tensor(back, device=device), buckets)
+                        torch.tensor(back, device=device), buckets, Rows.from_lists(rows, owner))
 
 
 def shared_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
                 dropout: float, scaling: float | None) -> torch.Tensor:
     """Attention over the compact row (query [1, H, Tc, D], key/value [1, H_kv, Tc, D]) -> [1, Tc, H, D]."""
+    if dropout == 0.0 and usable(query, key, value):
+        return row_attention(query, key, value, layout.rows, scaling)
     heads = query.shape[1]
     gqa = heads != key.shape[1]  # grouped-query attention: SDPA shares each kv head (no repeat copies)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [Tc, H, D]

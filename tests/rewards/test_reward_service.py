@@ -65,7 +65,9 @@ def test_hang_raise_crash_are_labelled_and_service_continues(service, caplog):
     logged = [r.getMessage() for r in caplog.records if r.name == "inflight.rewards"]
     assert any("timeout" in m and "s-hang" in m for m in logged)
     assert any("ZeroDivisionError: verifier bug" in m for m in logged)
-    assert service.replaced_workers == 2  # the hung one (killed) and the crashed one; a raise keeps its worker
+    # the batch holding the hung one and then the hung one alone (killed), the same for the crashed one; a raise
+    # keeps its worker
+    assert service.replaced_workers == 4
     # later calls, from another event loop, still work on the replacement workers
     again = asyncio.run(service.score([_item("42"), _item("41"), _item("", finish="length")]))
     assert [v.label for v in again] == [Verdict.correct, Verdict.wrong, Verdict.truncated]
@@ -76,8 +78,22 @@ def test_two_hangs_at_once_do_not_block_the_pool(service):
     t0 = time.monotonic()
     out = service.score_sync([_item("hang"), _item("hang"), _item("42")])
     assert [v.label for v in out] == [Verdict.error, Verdict.error, Verdict.correct]
-    assert service.replaced_workers == before + 2
+    assert service.replaced_workers == before + 3  # their batch, then each alone
     assert time.monotonic() - t0 < 60
+
+
+def test_a_group_is_one_round_trip_per_worker(service):
+    """Completions are sent in batches (up to one per worker), not one pipe round trip each."""
+    calls = []
+    real = service._pool.call
+    service._pool.call = lambda args, timeout_s: calls.append(len(args[0])) or real(args, timeout_s)
+    try:
+        out = asyncio.run(service.score([_item(t) for t in ["42", "41", "42", "", "42"]]))
+    finally:
+        service._pool.call = real
+    assert [v.label for v in out] == [Verdict.correct, Verdict.wrong, Verdict.correct, Verdict.no_answer,
+                                      Verdict.correct]
+    assert sorted(calls) == [2, 3]
 
 
 def _dapo_penalty(n: int, max_tokens: int, p: float, frac: float) -> float:

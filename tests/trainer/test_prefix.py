@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from inflight.contracts import Sample
+from inflight.trainer import attention, prefix, row_attention
 from inflight.trainer.attention import packed_call, packed_mask
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.logprobs import uniform
@@ -59,8 +60,15 @@ def _trainer(tiny_model_dir, **kw) -> SingleDeviceTrainer:
     return t
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["C-attention", "sdpa-buckets"])
 @pytest.mark.parametrize("fixed", [0, 6])
-def test_shared_prompts_equal_per_sample_gradients(tiny_model_dir, fixed):
+def test_shared_prompts_equal_per_sample_gradients(tiny_model_dir, fixed, kernel, monkeypatch):
+    """With the C row attention (row_attention.py) and with the SDPA buckets it replaces where it cannot run."""
+    if kernel and not row_attention.usable(torch.zeros(1)):
+        pytest.skip("no C compiler here")
+    if not kernel:
+        monkeypatch.setattr(prefix, "usable", lambda *a: False)
+        monkeypatch.setattr(attention, "usable", lambda *a: False)
     t = _trainer(tiny_model_dir)
     vocab = t.model.config.vocab_size
     samples = group_samples(vocab, seed=fixed, fixed=fixed)
