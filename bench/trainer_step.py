@@ -61,6 +61,12 @@ def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -
     from inflight.trainer.packing import count_loss_tokens, pack_samples
     from inflight.trainer.single import SingleDeviceTrainer
 
+    try:  # what the pipeline's role processes do at start, where the code under test has it
+        from inflight.heap import retain_freed_memory
+
+        retain_freed_memory()
+    except ImportError:
+        pass
     torch.set_num_threads(1)
     trainer = SingleDeviceTrainer(model_dir, TrainerConfig(threads=1, micro_batch_tokens=4096))
     trainer.init()

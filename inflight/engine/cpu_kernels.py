@@ -13,7 +13,7 @@ whose start-up code would change the whole process's denormal handling) into $IN
 ~/.cache/inflight/kernels (XDG_CACHE_HOME honoured). The file is named by a hash of the source, the flags and the
 CPU, so a changed source or another CPU builds anew (~0.5 s); it is written to a temporary name and renamed, so
 concurrent processes never load a partial file (`build_and_open` does the same for the trainer's
-row_attention.c). Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
+cpu_kernels.c). Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
 returns None and the runner uses torch ops. The kernels are single-threaded; ctypes releases the GIL while they run.
 """
 
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -90,7 +91,10 @@ def build_and_open(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | N
     if cc is None:
         log.warning("no C compiler found: %s is not built, torch ops run instead", source.name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    text = source.read_bytes()
+    for name in re.findall(rb'#include "([^"]+)"', text):  # the headers it includes change the build too
+        text += (source.parent / name.decode()).read_bytes()
+    key = hashlib.sha256(text + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     so = kernel_dir() / f"{source.stem}-{key}.so"
     try:
         if not so.exists():

@@ -1,4 +1,4 @@
-"""Packed causal attention in C (row_attention.c), forward and backward, for float32 on CPU.
+"""Packed causal attention in C (cpu_kernels.c), forward and backward, for float32 on CPU.
 
 Why: at RL sample lengths (tens of tokens) the per-bucket SDPA of attention.py / prefix.py spent its time around
 the arithmetic. On the CPU demo's step (128 samples, tiny model, torch.profiler) SDPA's flash kernels and their
@@ -7,7 +7,7 @@ backward took ~18% of the step, the gathers into padded buckets, their zero fill
 each sample's index row, with no padding and no copies; the backward recomputes the probabilities from the saved
 log-sum-exp. bench/trainer.py --rl-step measures the step with and without it (docs/benchmarks.md).
 
-A `Rows` describes the micro-batch (see row_attention.c): the packed layout has one row per sample over its own
+A `Rows` describes the micro-batch (see cpu_kernels.c): the packed layout has one row per sample over its own
 tokens; the shared-prompt layout (prefix.py) has each sample's row read its group's prompt and its own completion,
 with the prompt's queries computed by the group's first row only. `usable()` says whether the kernel applies
 (float32 CPU tensors, the library built); otherwise the callers keep their SDPA path.
@@ -15,23 +15,13 @@ with the prompt's queries computed by the group's first row only. `usable()` say
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from inflight.engine import cpu_kernels
-
-SOURCE = Path(__file__).with_name("row_attention.c")
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_COMMON = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F]
-_SIGNATURES = {
-    "row_attention_forward": [*_COMMON, _P, _P, _P],
-    "row_attention_backward": [*_COMMON, _P, _P, _P, _P, _P, _P],
-}
+from inflight.trainer.cpu_kernels import lib as _lib
+from inflight.trainer.cpu_kernels import usable
 
 
 @dataclass
@@ -55,15 +45,6 @@ class Rows:
         off = torch.tensor([0, *seq_lens]).cumsum(0)
         return cls(off, torch.arange(int(off[-1])), torch.zeros(len(seq_lens), dtype=torch.long),
                    max(seq_lens, default=0))
-
-
-@functools.cache
-def _lib() -> ctypes.CDLL | None:
-    return cpu_kernels.build_and_open(SOURCE, _SIGNATURES)
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and _lib() is not None
 
 
 def _heads(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:

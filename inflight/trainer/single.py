@@ -111,6 +111,10 @@ class SingleDeviceTrainer:
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         self.model = load_model(self.model_path, self.cfg, self.device)
+        if self.device.type == "cpu":
+            from inflight.trainer.fused import fuse_modules
+
+            fuse_modules(self.model)  # RMSNorm and SwiGLU in one C pass each (fused.py)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
 

@@ -1,4 +1,4 @@
-"""The C row attention (inflight/trainer/row_attention.c) against attention written plainly in float64: outputs and
+"""The C row attention (inflight/trainer/cpu_kernels.c) against attention written plainly in float64: outputs and
 the gradients of q, k and v, for packed rows and for rows that share a context (prefix.py's layout)."""
 
 import math

@@ -1,0 +1,35 @@
+"""The trainer's float32 CPU kernels (cpu_kernels.c), forward and backward: built once per machine like the
+engine's (inflight/engine/cpu_kernels.py: same compiler flags, cache folder and INFLIGHT_CPU_KERNELS=0 switch),
+loaded with ctypes. Callers check `usable(...)` and keep their torch path otherwise."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from inflight.engine import cpu_kernels as engine_kernels
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_ATTENTION = [_P, _I, _I, _P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _F]
+_SIGNATURES = {
+    "row_attention_forward": [*_ATTENTION, _P, _P, _P],
+    "row_attention_backward": [*_ATTENTION, _P, _P, _P, _P, _P, _P],
+    "rms_norm_forward": [_P, _P, _I, _I, _F, _P],
+    "rms_norm_backward": [_P, _P, _P, _I, _I, _F, _P, _P],
+    "swiglu_forward": [_P, _P, _I, _P],
+    "swiglu_backward": [_P, _P, _P, _I, _P, _P],
+}
+
+
+@functools.cache
+def lib() -> ctypes.CDLL | None:
+    return engine_kernels.build_and_open(SOURCE, _SIGNATURES)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """All float32 CPU tensors, and the library built here."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and lib() is not None

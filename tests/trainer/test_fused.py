@@ -1,0 +1,81 @@
+"""The trainer's fused RMSNorm and SwiGLU (inflight/trainer/fused.py, C) against float64 references written here,
+and a fused model against the same model unfused (logits and every parameter's gradient)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inflight.trainer.fused import fuse_modules, rms_norm, swiglu
+from inflight.trainer.cpu_kernels import usable
+
+pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
+
+
+def _leaf(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).requires_grad_()
+
+
+def _grads64(fn, *xs: torch.Tensor, dy: torch.Tensor):
+    x64 = [x.detach().double().requires_grad_() for x in xs]
+    y = fn(*x64)
+    (y * dy.double()).sum().backward()
+    return y.detach(), [x.grad for x in x64]
+
+
+def test_rms_norm_matches_float64():
+    x, w = _leaf(2, 7, 24, seed=0, scale=3.0), _leaf(24, seed=1)
+    eps = 1e-5
+
+    def ref(x, w):
+        r = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+        return w * (x * r)
+
+    y = rms_norm(x, w, eps)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    (y * dy).sum().backward()
+    want, (dx, dw) = _grads64(ref, x, w, dy=dy)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), dx, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.grad.double(), dw, atol=1e-4, rtol=1e-4)
+
+
+def test_swiglu_matches_float64():
+    gate, up = _leaf(5, 40, seed=3, scale=4.0), _leaf(5, 40, seed=4)
+    y = swiglu(gate, up)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+    (y * dy).sum().backward()
+    want, (dg, du) = _grads64(lambda g, u: g * torch.sigmoid(g) * u, gate, up, dy=dy)
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gate.grad.double(), dg, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(up.grad.double(), du, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_model_gives_the_unfused_logits_and_gradients(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    plain, fused = (AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32) for _ in range(2))
+    layers = plain.config.num_hidden_layers
+    assert fuse_modules(fused) == 2 * layers + 1 + layers  # two norms per layer, the final norm, one MLP per layer
+    ids = torch.randint(3, plain.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(6))
+    out = [m(input_ids=ids, use_cache=False).logits for m in (plain, fused)]
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=1e-5)
+    for o in out:
+        torch.log_softmax(o, -1)[..., 5].sum().backward()
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (plain, fused)]
+    assert max(float(g.abs().max()) for g in grads[0].values()) > 1e-3
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-4)
+
+
+def test_other_dtypes_take_the_class_forward(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    fuse_modules(m)
+    norm, mlp = m.model.norm, m.model.layers[0].mlp
+    x = torch.randn(4, m.config.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(norm(x), type(norm).forward(norm, x))  # a float64 input: transformers' own math
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(torch.randn(4, m.config.hidden_size))
+    assert y.dtype == torch.bfloat16
