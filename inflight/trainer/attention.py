@@ -7,7 +7,8 @@ hundreds of short samples). Here, samples are sorted by length and cut into buck
 ~25% of their real area; each bucket is right-padded to its longest sample and run through one causal SDPA (right
 padding never leaks: a real query only sees keys at or before it, all real). Registered with transformers as
 "inflight_packed"; it takes the sample boundaries from `cu_seq_lens_q` (the keyword varlen flash attention uses).
-Called without them (a plain forward, e.g. generation with padding) it is exactly transformers' SDPA.
+Called without them (a plain forward, e.g. generation with padding) it is exactly transformers' SDPA. Float32 CPU
+tensors skip the buckets: row_attention.py runs each sample's causal attention in C, forward and backward.
 
 Inside `packed_call()` the mask function returns None: transformers would otherwise detect the packing from the
 position ids and build a dense [T, T] block-diagonal mask that this attention never reads (O(T^2) time and memory:

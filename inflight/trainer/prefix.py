@@ -17,6 +17,7 @@ gathered from the compact q/k/v (a shared context is read into each row that nee
 adds up the copies), run through one causal SDPA per length bucket as in attention.py, and each compact token's
 output is written back from one row only (a context from its group's first sample). The layout is built once per
 micro-batch and reaches every layer (and a gradient-checkpointing recompute) through the `inflight_layout` keyword.
+On float32 CPU tensors the same rows go to the C attention instead (row_attention.py: no gathers, no padding).
 """
 
 from __future__ import annotations
