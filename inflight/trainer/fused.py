@@ -7,8 +7,8 @@ memory. One pass each way here; bench/trainer.py --rl-step measures the step wit
 
 `fuse_modules(model)` swaps the forward of the modules it knows (by class: Llama, Qwen2, Qwen3, Mistral RMSNorm and
 MLP with `silu`) for these, on the model instance only. The swapped forward falls back to the class's own for
-anything but float32 CPU tensors (bf16 autocast, GPU). The math is transformers' own: y = w * (x * r) with
-r = rsqrt(mean(x^2) + eps) in float32, and down(silu(gate(x)) * up(x)).
+anything but float32 CPU tensors on single-threaded torch (bf16 autocast, GPU, trainer.threads > 1). The math is
+transformers' own: y = w * (x * r) with r = rsqrt(mean(x^2) + eps) in float32, and down(silu(gate(x)) * up(x)).
 """
 
 from __future__ import annotations

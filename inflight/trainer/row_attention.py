@@ -10,7 +10,7 @@ log-sum-exp. bench/trainer.py --rl-step measures the step with and without it (d
 A `Rows` describes the micro-batch (see cpu_kernels.c): the packed layout has one row per sample over its own
 tokens; the shared-prompt layout (prefix.py) has each sample's row read its group's prompt and its own completion,
 with the prompt's queries computed by the group's first row only. `usable()` says whether the kernel applies
-(float32 CPU tensors, the library built); otherwise the callers keep their SDPA path.
+(float32 CPU tensors, torch on one thread, the library built); otherwise the callers keep their SDPA path.
 """
 
 from __future__ import annotations

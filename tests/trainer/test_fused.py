@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from inflight.trainer.fused import fuse_modules, rms_norm, swiglu
 from inflight.trainer.cpu_kernels import usable
 
+torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
 
 

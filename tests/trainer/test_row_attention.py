@@ -9,6 +9,7 @@ import torch
 
 from inflight.trainer.row_attention import Rows, row_attention, usable
 
+torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
 
 
