@@ -2,9 +2,10 @@
 
 Why: glibc returns large freed blocks to the OS (mmap'd chunks, and a heap top above its trim threshold), so
 every step's fresh activations and gradients page-fault their memory in again. Measured on the CPU demo's
-trainer step (tiny model, one thread): ~1,400 page faults per step, and a step of 0.094 s against 0.082 s with the
-memory kept (bench/trainer.py --rl-step; docs/benchmarks.md); the engine's tiny-model decode at batch 32 gained
-similarly. PyTorch's CUDA allocator keeps its blocks for the same reason; on CPU it calls malloc directly.
+trainer step (tiny model, one thread, 3 x 20 steps each): ~1,400 page faults per step and 0.088-0.095 s per step,
+against 1-40 faults and 0.079-0.085 s with the memory kept (docs/benchmarks.md). The engine's tiny-model decode at
+batch 32 went from 11-13k to 18-19k tokens/s in two alternating rounds of bench/engine.py; the other sizes did not
+move. PyTorch's CUDA allocator keeps its blocks for the same reason; on CPU it calls malloc directly.
 
 `retain_freed_memory()` raises the mmap threshold to glibc's maximum (32 MiB: larger tensors still get their own
 mapping) and the trim threshold to 1 GiB; the heap then stays at the process's peak. The role processes (trainer,
