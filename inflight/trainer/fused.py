@@ -3,7 +3,8 @@
 Why: with the matrix multiplies near the core's peak, the trainer's step on the CPU demo spent ~15% in the
 elementwise ops around them (torch.profiler): transformers' RMSNorm is 6 ops forward (upcast, pow, mean, add, rsqrt,
 two muls) and more backward, its MLP's silu(gate) * up is 2 ops forward and 4 backward, each a full pass over
-memory. One pass each way here; bench/trainer.py --rl-step measures the step with and without (docs/benchmarks.md).
+memory. One pass each way here; bench/trainer.py --rl-step times the step against an earlier commit
+(docs/benchmarks.md).
 
 `fuse_modules(model)` swaps the forward of the modules it knows (by class: Llama, Qwen2, Qwen3, Mistral RMSNorm and
 MLP with `silu`) for these, on the model instance only. The swapped forward falls back to the class's own for

@@ -5,7 +5,7 @@ the arithmetic. On the CPU demo's step (128 samples, tiny model, torch.profiler)
 backward took ~18% of the step, the gathers into padded buckets, their zero fills and the scatters back another
 ~6%, for ~0.3 GFLOP of attention. Here one C call per layer reads q/k/v where the projection left them, through
 each sample's index row, with no padding and no copies; the backward recomputes the probabilities from the saved
-log-sum-exp. bench/trainer.py --rl-step measures the step with and without it (docs/benchmarks.md).
+log-sum-exp. bench/trainer.py --rl-step times the step against an earlier commit (docs/benchmarks.md).
 
 A `Rows` describes the micro-batch (see cpu_kernels.c): the packed layout has one row per sample over its own
 tokens; the shared-prompt layout (prefix.py) has each sample's row read its group's prompt and its own completion,
