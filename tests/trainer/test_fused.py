@@ -12,6 +12,12 @@ torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Another test may have left torch on more threads; the kernels only run on one."""
+    torch.set_num_threads(1)
+
+
 def _leaf(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(*shape, generator=g)).requires_grad_()

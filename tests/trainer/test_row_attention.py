@@ -13,6 +13,12 @@ torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Another test may have left torch on more threads; the kernels only run on one."""
+    torch.set_num_threads(1)
+
+
 def reference(q, k, v, rows: list[list[int]], start: list[int], scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KV, D] float64 -> out [T, H, D]: entry i of a row attends to the row's entries 0..i."""
     T, H, D = q.shape
