@@ -22,6 +22,7 @@ On float32 CPU tensors the same rows go to the C attention instead (row_attentio
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +38,37 @@ class SharedLayout:
     ids: torch.Tensor  # [Tc] compact input ids
     pos: torch.Tensor  # [Tc] their positions within their sample
     back: torch.Tensor  # [T] compact index of every packed token
-    # per length bucket of samples: (src, dst, out_src, out_dst, rows, width), see shared_sdpa; dst None: no padding
-    buckets: list[tuple]
-    rows: Rows  # the same rows for the C attention (row_attention.py)
+    rows: list[list[int]]  # per sample, the compact indices it attends over: its context, then its own suffix
+    owner: list[int]  # per sample, how many leading entries of its row it does not write back: a later group
+    # member skips the context, whose output the first member writes
+    device: torch.device | str
 
     @property
     def num_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+    @functools.cached_property
+    def c_rows(self) -> Rows:
+        """The rows for the C attention (row_attention.py); built on first use, once per micro-batch."""
+        return Rows.from_lists(self.rows, self.owner)
+
+    @functools.cached_property
+    def buckets(self) -> list[tuple]:
+        """Per length bucket of samples (like attention.py: one causal SDPA per bucket): (src, dst, out_src,
+        out_dst, rows, width), see shared_sdpa; dst None: no padding. Built on first use, once per micro-batch."""
+        rows, owner, out = self.rows, self.owner, []
+        for members in length_buckets([len(r) for r in rows]):
+            width = max(len(rows[k]) for k in members)
+            src, dst, out_src, out_dst = [], [], [], []
+            for row, k in enumerate(members):
+                src += rows[k]
+                dst += range(row * width, row * width + len(rows[k]))
+                out_src += rows[k][owner[k] :]
+                out_dst += range(row * width + owner[k], row * width + len(rows[k]))
+            src_t, dst_t, osrc_t, odst_t = (torch.tensor(x, device=self.device) for x in (src, dst, out_src, out_dst))
+            full = len(src) == len(members) * width  # no padding: dst is 0..n-1, a plain gather fills the bucket
+            out.append((src_t, None if full else dst_t, osrc_t, odst_t, len(members), width))
+        return out
 
 
 def _contexts(batch: TrainBatch) -> list[tuple[int, int, int]]:
@@ -69,9 +94,9 @@ def shared_layout(batch: TrainBatch, device: torch.device | str) -> SharedLayout
     c_ids: list[int] = []
     c_pos: list[int] = []
     back = [0] * len(ids)
-    rows: list[list[int]] = [[] for _ in spans]  # compact indices each sample attends over: context + own suffix
-    owner: list[int] = [0] * len(spans)  # how many leading entries of rows[k] this sample writes back (all but
-    for ctx, members in groups.items():  # the context of a group's later members, a copy of the first's)
+    rows: list[list[int]] = [[] for _ in spans]
+    owner: list[int] = [0] * len(spans)
+    for ctx, members in groups.items():
         g0, p = len(c_ids), len(ctx)
         c_ids += ctx
         c_pos += range(p)
@@ -83,27 +108,15 @@ def shared_layout(batch: TrainBatch, device: torch.device | str) -> SharedLayout
             owner[k] = 0 if m == 0 else p
             c_ids += ids[s + p : s + n]
             c_pos += range(p, n)
-    buckets = []
-    for members in length_buckets([len(r) for r in rows]):  # like attention.py: one causal SDPA per bucket
-        width = max(len(rows[k]) for k in members)
-        src, dst, out_src, out_dst = [], [], [], []
-        for row, k in enumerate(members):
-            src += rows[k]
-            dst += range(row * width, row * width + len(rows[k]))
-            out_src += rows[k][owner[k] :]
-            out_dst += range(row * width + owner[k], row * width + len(rows[k]))
-        src_t, dst_t, osrc_t, odst_t = (torch.tensor(x, device=device) for x in (src, dst, out_src, out_dst))
-        full = len(src) == len(members) * width  # no padding: dst is 0..n-1, a plain gather fills the bucket
-        buckets.append((src_t, None if full else dst_t, osrc_t, odst_t, len(members), width))
     return SharedLayout(torch.tensor(c_ids, device=device), torch.tensor(c_pos, device=device),
-                        torch.tensor(back, device=device), buckets, Rows.from_lists(rows, owner))
+                        torch.tensor(back, device=device), rows, owner, device)
 
 
 def shared_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SharedLayout,
                 dropout: float, scaling: float | None) -> torch.Tensor:
     """Attention over the compact row (query [1, H, Tc, D], key/value [1, H_kv, Tc, D]) -> [1, Tc, H, D]."""
     if dropout == 0.0 and usable(query, key, value):
-        return row_attention(query, key, value, layout.rows, scaling)
+        return row_attention(query, key, value, layout.c_rows, scaling)
     heads = query.shape[1]
     gqa = heads != key.shape[1]  # grouped-query attention: SDPA shares each kv head (no repeat copies)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [Tc, H, D]
