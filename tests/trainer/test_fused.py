@@ -75,14 +75,35 @@ def test_fused_model_gives_the_unfused_logits_and_gradients(tiny_model_dir):
         torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-4)
 
 
-def test_other_dtypes_take_the_class_forward(tiny_model_dir):
+def test_the_kernels_run_only_on_float32_cpu_with_one_thread(tiny_model_dir, monkeypatch):
+    """Where the kernels do not apply (float64, bf16 autocast, 2 threads) transformers' own math runs; on float32
+    with one thread the kernels do."""
     from transformers import AutoModelForCausalLM
+
+    from inflight.trainer import fused
 
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     fuse_modules(m)
     norm, mlp = m.model.norm, m.model.layers[0].mlp
+    calls = []
+    for name in ("rms_norm", "swiglu"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+
+    def plain_norm(x):
+        x32 = x.float()
+        return norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(x.dtype)
+
     x = torch.randn(4, m.config.hidden_size, dtype=torch.float64)
-    torch.testing.assert_close(norm(x), type(norm).forward(norm, x))  # a float64 input: transformers' own math
+    torch.testing.assert_close(norm(x), plain_norm(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = mlp(torch.randn(4, m.config.hidden_size))
-    assert y.dtype == torch.bfloat16
+        assert mlp(x.float()).dtype == torch.bfloat16
+    torch.set_num_threads(2)
+    try:
+        torch.testing.assert_close(norm(x.float()), plain_norm(x.float()))
+        mlp(x.float())
+    finally:
+        torch.set_num_threads(1)
+    assert calls == []
+    norm(x.float()), mlp(x.float())
+    assert calls == ["rms_norm", "swiglu"]
