@@ -54,13 +54,16 @@ class ParamInfo(_Strict):
 
 
 class WeightUpdateRequest(_Strict):
-    """Announce an update. Exactly one transport: `params` (one broadcast from rank 0 per tensor, in this order)
-    or `path` (a safetensors file readable on the server's host, e.g. under /dev/shm)."""
+    """Announce an update. Exactly one transport: `params` (broadcasts from rank 0, in this order: one per tensor,
+    or with `bucket_bytes` > 0 one per bucket of `bucket_layout`) or `path` (a safetensors file readable on the
+    server's host, e.g. under /dev/shm)."""
 
     version: int = Field(ge=0)
     params: list[ParamInfo] | None = None
     path: str | None = None
     mode: UpdateMode = "keep"
+    bucket_bytes: int = Field(default=0, ge=0, le=2**40, description=(
+        "0: one broadcast per tensor; > 0: tensors packed into flat byte buffers of at most this size (bucket_layout)"))
 
     @model_validator(mode="after")
     def _one_transport(self) -> "WeightUpdateRequest":
@@ -73,6 +76,41 @@ class WeightUpdateRequest(_Strict):
             if not self.params:
                 raise ValueError("'params' is empty")
         return self
+
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+BUCKET_ALIGN = 64  # bytes: every packed tensor starts at a multiple of this
+
+
+def bucket_layout(params: list[ParamInfo], bucket_bytes: int) -> list[list[tuple[int, int]]]:
+    """The broadcasts of a bucketed update, which both ends derive from the announcement: the tensors in announced
+    order, each at the next multiple of BUCKET_ALIGN bytes of the current bucket, a new bucket whenever the next
+    tensor would not fit in `bucket_bytes`. A bucket is [(param index, byte offset), ...]. A bucket of one tensor is
+    broadcast as that tensor (its shape and dtype); a bucket of several as one flat uint8 buffer of
+    `bucket_size(...)` bytes. Many small tensors then cost one broadcast, large ones are never copied."""
+    buckets: list[list[tuple[int, int]]] = []
+    end = bucket_bytes  # the current bucket's used bytes (full: start a new one)
+    for i, p in enumerate(params):
+        start = -(-end // BUCKET_ALIGN) * BUCKET_ALIGN
+        nbytes = _param_bytes(p)
+        if not buckets or start + nbytes > bucket_bytes:
+            buckets.append([])
+            start = 0
+        buckets[-1].append((i, start))
+        end = start + nbytes
+    return buckets
+
+
+def bucket_size(params: list[ParamInfo], bucket: list[tuple[int, int]]) -> int:
+    i, offset = bucket[-1]
+    return offset + _param_bytes(params[i])
+
+
+def _param_bytes(p: ParamInfo) -> int:
+    n = DTYPE_BYTES[p.dtype]
+    for d in p.shape:
+        n *= d
+    return n
 
 
 class WeightUpdateResponse(BaseModel):

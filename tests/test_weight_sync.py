@@ -100,6 +100,43 @@ def test_broadcast_update_changes_logprobs_to_new_weights(server, hf, sync):
     assert "inflight_weight_version 1" in httpx.get(server.url + "/metrics").text
 
 
+def test_bucket_layout_packs_small_tensors_in_order_and_leaves_large_ones_alone():
+    from inflight.contracts import BUCKET_ALIGN, ParamInfo, bucket_layout, bucket_size
+
+    shapes = [([3], "float32"), ([100, 100], "float32"), ([5], "bfloat16"), ([7, 3], "float16"), ([1000, 1000],
+              "float32"), ([9], "float32")]
+    params = [ParamInfo(name=f"p{i}", shape=s, dtype=d) for i, (s, d) in enumerate(shapes)]
+    nbytes = [12, 40000, 10, 42, 4000000, 36]
+    assert bucket_layout(params, 0) == [[(i, 0)] for i in range(6)]  # 0: one broadcast per tensor, as before
+    layout = bucket_layout(params, 50_000)
+    assert layout == [[(0, 0), (1, 64), (2, 40064), (3, 40128)], [(4, 0)], [(5, 0)]]
+    for bucket in layout:
+        assert [i for i, _ in bucket] == sorted(i for i, _ in bucket)  # announced order
+        ends = [off + nbytes[i] for i, off in bucket]
+        assert all(off % BUCKET_ALIGN == 0 for _, off in bucket)
+        assert all(b_off >= a_end for (_, b_off), a_end in zip(bucket[1:], ends))  # no overlap
+        assert bucket_size(params, bucket) == ends[-1]
+        assert len(bucket) == 1 or ends[-1] <= 50_000  # only a lone tensor may exceed the bucket
+    assert [i for b in layout for i, _ in b] == list(range(6))
+
+
+def test_bucketed_push_lands_every_tensor_in_its_place(server, hf, sync, monkeypatch):
+    """Small tensors packed into shared buffers at their offsets, large ones sent alone: the server's logprobs
+    match the new weights exactly, for a whole-model update and for a partial one in another order."""
+    sent: list[int] = []
+    send_all = sync._send_all
+    monkeypatch.setattr(sync, "_send_all", lambda payload, gen: (sent.append(len(payload)), send_all(payload, gen)))
+    monkeypatch.setattr(sync, "bucket_bytes", 20_000)
+    new = perturbed(hf, seed=11)
+    sync.push(new.items(), version=11)
+    assert 1 < sent[-1] < len(new)  # fewer broadcasts than tensors
+    check_matches(hf, new, chat(server.url, temperature=0.9), 0.9)
+    names = sorted(new, reverse=True)[::2]  # a subset, announced in another order
+    partial = {n: t + 0.02 for n, t in perturbed(hf, seed=12).items() if n in names}
+    sync.push(partial.items(), version=12)
+    check_matches(hf, {**new, **partial}, chat(server.url, temperature=0.9), 0.9)
+
+
 def test_bad_updates_are_rejected_and_change_nothing(server, hf, sync):
     sync.push(perturbed(hf, seed=2).items(), version=2)
     ref = fingerprint(server.url)

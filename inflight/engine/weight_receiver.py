@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, bucket_size
 
 log = logging.getLogger("inflight.engine.weights")
 
@@ -148,7 +148,7 @@ class WeightReceiver:
                 read_s, ntensors = 0.0, len(params)
 
                 # received while the engine keeps generating (on the old weights); it pauses only to apply
-                received = await self._receive_unless_superseded(params, specs, req.version)
+                received = await self._receive_unless_superseded(params, specs, req.version, req.bucket_bytes)
                 if self.reject_nonfinite:  # every broadcast was received: the group stays in step
                     check_finite(received)
 
@@ -166,10 +166,11 @@ class WeightReceiver:
                  req.mode, pause_s, total_s, f" (read {read_s:.3f}s)" if req.path else "")
         return {"version": req.version, "pause_s": pause_s}
 
-    async def _receive_unless_superseded(self, params: list[ParamInfo], specs: dict,
-                                         version: int) -> dict[str, torch.Tensor]:
+    async def _receive_unless_superseded(self, params: list[ParamInfo], specs: dict, version: int,
+                                         bucket_bytes: int) -> dict[str, torch.Tensor]:
         self._superseded = superseded = asyncio.Event()
-        receive = asyncio.ensure_future(asyncio.to_thread(self._receive_all, self.group, params, specs, version))
+        receive = asyncio.ensure_future(asyncio.to_thread(self._receive_all, self.group, params, specs, version,
+                                                          bucket_bytes))
         stop = asyncio.ensure_future(superseded.wait())
         try:
             await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -184,33 +185,47 @@ class WeightReceiver:
         raise WeightUpdateError(f"weight update v{version} superseded by a new /init_process_group while receiving; "
                                 f"nothing applied, weights stay at v{self.engine.version}", status=409)
 
-    def _receive_all(self, group: Any, params: list[ParamInfo], specs: dict, version: int) -> dict[str, torch.Tensor]:
-        """Every announced tensor, or WeightUpdateError 409 if the broadcast breaks off (the trainer aborted the
-        group, or a peer died): what was received is dropped, nothing is applied, and the broken group is let go, so
-        the next /init_process_group forms a new one."""
-        received: dict[str, torch.Tensor] = {}
+    def _receive_all(self, group: Any, params: list[ParamInfo], specs: dict, version: int,
+                     bucket_bytes: int = 0) -> dict[str, torch.Tensor]:
+        """Every announced tensor (one broadcast per bucket of `bucket_layout`; bucket_bytes 0: per tensor), or
+        WeightUpdateError 409 if the broadcast breaks off (the trainer aborted the group, or a peer died): what was
+        received is dropped, nothing is applied, and the broken group is let go, so the next /init_process_group
+        forms a new one."""
+        buckets = bucket_layout(params, bucket_bytes)
+        done = 0
         try:
             # every receive is posted at once, in the announced order, then waited for: the waits release the GIL,
             # while posting one receive at a time waited for the GIL between tensors (the engine thread holds it
             # for up to the 5 ms switch interval), which made a 30-tensor update 10x slower on a busy server
-            bufs = [torch.empty(tuple(p.shape), dtype=specs[p.name][1], device=self.device) for p in params]
+            bufs = [torch.empty(tuple(params[b[0][0]].shape), dtype=specs[params[b[0][0]].name][1], device=self.device)
+                    if len(b) == 1 else torch.empty(bucket_size(params, b), dtype=torch.uint8, device=self.device)
+                    for b in buckets]
             works = [group.broadcast([b], _bcast_opts(root=0)) for b in bufs]
             try:
-                for p, buf, i in zip(params, bufs, range(len(works))):
-                    works[i].wait()
-                    received[p.name] = buf
+                for work in works:
+                    work.wait()
+                    done += 1
             finally:
                 works.clear()  # pending ops hold the group, which must go when it broke
         except Exception as e:  # gloo: connection closed / reset, or the group timeout
-            n = len(received)
-            received.clear()
             if self.group is group:  # a join may have replaced it meanwhile
                 self.group = None
             raise WeightUpdateError(
-                f"weight broadcast of v{version} broke off after {n} of {len(params)} tensors "
+                f"weight broadcast of v{version} broke off after {done} of {len(buckets)} broadcasts "
                 f"({str(e).splitlines()[0][:200]}); nothing applied, weights stay at v{self.engine.version}; "
                 "POST /init_process_group again", status=409) from None
+        received: dict[str, torch.Tensor] = {}
+        for bucket, buf in zip(buckets, bufs):
+            for i, offset in bucket:  # views into the bucket: load_weights copies them into the model
+                p = params[i]
+                received[p.name] = buf if len(bucket) == 1 else unpack(buf, offset, p.shape, specs[p.name][1])
         return received
+
+
+def unpack(buf: torch.Tensor, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` at byte `offset` of a flat uint8 bucket (a view, no copy)."""
+    n = dtype.itemsize * _numel(shape)
+    return buf[offset: offset + n].view(dtype).view(tuple(shape))
 
 
 def _numel(shape: list[int]) -> int:

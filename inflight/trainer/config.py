@@ -19,4 +19,5 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # sequence-packing token budget of one micro-batch
     threads: int = 0  # torch threads (0 = torch's default)
     weight_transport: str = "process_group"  # process_group | file
+    weight_bucket_mb: float = 16.0  # process_group: small tensors packed into one broadcast per bucket (0 = per tensor)
     protocol: str = "inflight"  # inflight | vllm | sglang (weight-update protocol of the servers)

@@ -5,9 +5,12 @@ server to join the process group, and after each optimizer step announces the te
     client.init_process_group()
     stats = client.push(trainer.named_weights(), version=trainer.version)
 
-Each tensor is one broadcast (measured: per-tensor gloo broadcasts beat one flattened buffer, FACTS.md), sent in
-the announced order and converted to the servers' dtype. `transport="file"` writes one safetensors file under
-/dev/shm instead and posts its path (single host only).
+Tensors are converted to the servers' dtype and broadcast in the announced order. With `bucket_bytes` > 0 the
+small ones travel packed in flat buffers of up to that size (`contracts.bucket_layout`), one broadcast per bucket;
+a tensor that fills a bucket alone is sent as it is, never copied (measured: per-tensor gloo broadcasts beat one
+flattened buffer at 100 MiB, FACTS.md, while a model of many small tensors spent its push waiting for the GIL
+between 30 broadcasts: docs/benchmarks.md). `transport="file"` writes one safetensors file under /dev/shm instead
+and posts its path (single host only).
 
 A server that dies during the broadcasts must not hold the others there until the group timeout: the broadcasts run
 on their own thread while the servers' answers are watched, and on the first failure (a broadcast error or a
@@ -31,6 +34,8 @@ from typing import Any, Iterable
 
 import httpx
 import torch
+
+from inflight.contracts import ParamInfo, bucket_layout, bucket_size
 
 log = logging.getLogger("inflight.trainer.weight_sync")
 
@@ -65,7 +70,7 @@ class WeightSyncClient:
     def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, backend: str = "gloo", transport: str = "process_group",
                  timeout_s: float = 600.0, dtype: str | None = None, shm_dir: str = "/dev/shm",
-                 precheck: bool = True):
+                 precheck: bool = True, bucket_bytes: int = 0):
         if transport not in ("process_group", "file"):
             raise ValueError(f"transport must be 'process_group' or 'file', not {transport!r}")
         if backend not in ("gloo", "nccl"):
@@ -78,6 +83,9 @@ class WeightSyncClient:
         self.dtype = DTYPES[dtype] if dtype else None  # None: send tensors in their own dtype
         self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
         self.precheck = precheck
+        self.bucket_bytes = bucket_bytes
+        self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
+        self._buckets: list[torch.Tensor] = []  # its packing buffers, reused while the announcement stays the same
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
         # two posts per server: the posts of a broken-off update may still be waiting when the group is formed again
@@ -167,6 +175,8 @@ class WeightSyncClient:
             raise WeightSyncError("call init_process_group() before push()")
         body = {"version": version, "mode": mode, "params": [
             {"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors]}
+        if self.bucket_bytes:
+            body["bucket_bytes"] = self.bucket_bytes
         # dry run first: a server that would reject must not leave the others waiting. The servers check the
         # announced names, shapes and dtypes against their model, so an announcement they all took on this group
         # is not checked again (one round trip less per step, on the path from optimizer step to new weights)
@@ -177,7 +187,8 @@ class WeightSyncClient:
         posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
         generation = self._generation
         sender: cf.Future = cf.Future()
-        threading.Thread(target=lambda: _run_into(sender, lambda: self._send_all(tensors, generation)),
+        payload = self._pack(tensors, body["params"], announced)
+        threading.Thread(target=lambda: _run_into(sender, lambda: self._send_all(payload, generation)),
                          name=f"broadcast-v{version}", daemon=True).start()
         pending: set[cf.Future] = {sender, *posts}
         while sender in pending:  # a server whose request fails has left the broadcast: stop at once
@@ -204,19 +215,43 @@ class WeightSyncClient:
         self._accepted = announced
         return answers
 
-    def _send_all(self, tensors: list[tuple[str, torch.Tensor]], generation: int) -> None:
-        """Broadcast every tensor: all posted at once, in order, then waited for (the waits release the GIL; one at a
+    def _pack(self, tensors: list[tuple[str, torch.Tensor]], params: list[dict],
+              announced: tuple) -> list[torch.Tensor]:
+        """What to broadcast, in order: each bucket of `bucket_layout` (a lone tensor as it is, several packed into
+        one uint8 buffer). Layout and buffers are kept for the next push of the same announcement."""
+        key = (announced, self.bucket_bytes)
+        if self._layout is None or self._layout[0] != key:
+            infos = [ParamInfo(**p) for p in params]
+            buckets = bucket_layout(infos, self.bucket_bytes)
+            sizes = [bucket_size(infos, b) if len(b) > 1 else 0 for b in buckets]
+            self._layout = (key, buckets, sizes)
+            self._buckets = [torch.empty(n, dtype=torch.uint8, device=tensors[0][1].device) for n in sizes if n]
+        _, buckets, sizes = self._layout
+        out, packed = [], iter(self._buckets)
+        for bucket, n in zip(buckets, sizes):
+            if not n:
+                out.append(tensors[bucket[0][0]][1])
+                continue
+            buf = next(packed)
+            for i, offset in bucket:
+                t = tensors[i][1]
+                buf[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            out.append(buf)
+        return out
+
+    def _send_all(self, payload: list[torch.Tensor], generation: int) -> None:
+        """Broadcast every buffer: all posted at once, in order, then waited for (the waits release the GIL; one at a
         time, each send waited for the GIL of a busy trainer first). The group is read from self.group and never
         kept in a local: a frame or a traceback holding it would keep its connections open after abort_group."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         if self._generation != generation or self.group is None:
-            raise WeightSyncError(f"weight group aborted before the first of {len(tensors)} tensors")
-        works = [self.group.broadcast([t], opts) for _, t in tensors]
+            raise WeightSyncError(f"weight group aborted before the first of {len(payload)} broadcasts")
+        works = [self.group.broadcast([t], opts) for t in payload]
         try:
             for i in range(len(works)):
                 if self._generation != generation:
-                    raise WeightSyncError(f"weight group aborted after {i} of {len(tensors)} tensors")
+                    raise WeightSyncError(f"weight group aborted after {i} of {len(payload)} broadcasts")
                 works[i].wait()
         finally:
             works.clear()  # a pending op holds the group: the traceback of an error must not keep it

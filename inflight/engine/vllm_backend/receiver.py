@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, bucket_size
 from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params
 
 log = logging.getLogger("inflight.vllm.weights")
@@ -133,7 +133,11 @@ class VLLMWeightReceiver:
             p0 = time.perf_counter()
             try:
                 if req.params is not None:
-                    await self._rpc("inflight_receive", [[p.name, list(p.shape), p.dtype] for p in req.params])
+                    params = req.params
+                    await self._rpc("inflight_receive", [
+                        [[[params[i].name, list(params[i].shape), params[i].dtype, offset] for i, offset in b],
+                         bucket_size(params, b) if len(b) > 1 else 0]
+                        for b in bucket_layout(params, req.bucket_bytes)])
                 await self._rpc("inflight_apply")
                 if req.mode == "interrupt":
                     await self.llm.reset_prefix_cache(reset_running_requests=True)

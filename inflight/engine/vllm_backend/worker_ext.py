@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import glob
 import logging
+import math
 import os
 import threading
 import time
@@ -70,8 +71,10 @@ class InflightWorkerExtension:
         return getattr(self, "_inflight_group_state", "none")
 
     # ---- staging ----------------------------------------------------------------------------------------------
-    def inflight_receive(self, params: list[list[Any]]) -> int:
-        """One broadcast from rank 0 per [name, shape, dtype], in order, each into a fresh buffer."""
+    def inflight_receive(self, buckets: list[list[Any]]) -> int:
+        """One broadcast from rank 0 per bucket [[[name, shape, dtype, byte offset], ...], packed bytes], in order
+        (the API process lays them out with inflight.contracts.bucket_layout): a bucket of one tensor arrives as
+        that tensor (packed bytes 0), one of several as a flat uint8 buffer holding each at its offset."""
         group = getattr(self, "_inflight_group", None)
         if group is None:
             raise RuntimeError("no process group on this worker")
@@ -79,10 +82,17 @@ class InflightWorkerExtension:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         staged = {}
-        for name, shape, dtype in params:
-            buf = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=device)
+        for entries, packed in buckets:
+            if not packed:
+                (name, shape, dtype, _), = entries
+                staged[name] = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=device)
+                group.broadcast([staged[name]], opts).wait()
+                continue
+            buf = torch.empty(packed, dtype=torch.uint8, device=device)
             group.broadcast([buf], opts).wait()
-            staged[name] = buf
+            for name, shape, dtype, offset in entries:
+                n = DTYPES[dtype].itemsize * math.prod(shape)
+                staged[name] = buf[offset: offset + n].view(DTYPES[dtype]).view(tuple(shape))
         self._inflight_staged = staged
         return len(staged)
 

@@ -22,7 +22,8 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
     if protocol == "inflight":
         from inflight.trainer.weight_sync import WeightSyncClient
 
-        return WeightSyncClient(server_urls, transport=cfg.trainer.weight_transport, **common)
+        return WeightSyncClient(server_urls, transport=cfg.trainer.weight_transport,
+                                bucket_bytes=int(cfg.trainer.weight_bucket_mb * 2**20), **common)
     if cfg.trainer.weight_transport != "process_group":
         raise ValueError(f"trainer.protocol={protocol} sends weights over a process group only "
                          f"(trainer.weight_transport={cfg.trainer.weight_transport!r})")
