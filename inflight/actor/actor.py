@@ -124,7 +124,7 @@ class Actor:
     # ------------------------------------------------------------------------------------------------ one group
     def bound(self, trainer_version: int) -> int:
         """How many groups may have been started (excluding failed ones) at this trainer version."""
-        return max(0, (trainer_version + self.cfg.max_lag + 1) * self.cfg.groups_per_step)
+        return self.cfg.groups_allowed(trainer_version)
 
     @property
     def live_groups(self) -> int:

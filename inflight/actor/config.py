@@ -24,11 +24,20 @@ class ActorConfig:
     # honour by holding the request until they have it; the trainer then publishes a version as soon as it is
     # trained, not after its push (set false for a server that ignores the field; off for adapter vllm | sglang)
     version_gate: bool = True
+    # With the gate, the servers hold requests sent early: they start at the pause that brings their weights, not
+    # after the trainer's publish, the actor's wake-up and a round trip. The tokens' lag bound is unchanged.
+    queue_ahead: int = 1  # gated: steps of groups sent beyond the staleness bound, held by the servers (0 = none)
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
     overlong_penalty: float = 0.0
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
     max_failed_in_a_row: int = 50  # this many groups failing one after another stop the actor (0 = never)
+
+    def groups_allowed(self, trainer_version: int) -> int:
+        """How many groups may have been started (and not given up) once the trainer published `trainer_version`:
+        AReaL's bound (version + max_lag + 1) x groups_per_step, plus queue_ahead steps held at gated servers."""
+        ahead = self.queue_ahead if self.gated else 0
+        return max(0, (trainer_version + self.max_lag + 1 + ahead) * self.groups_per_step)
 
     @property
     def gated(self) -> bool:

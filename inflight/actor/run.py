@@ -23,6 +23,7 @@ from inflight.actor.actor import Actor, MetricsSink
 from inflight.actor.rollout import RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
 from inflight.contracts import Stream
+from inflight.heap import freeze_startup_objects
 
 
 def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
@@ -105,6 +106,7 @@ def run_actor(
 
     async def main() -> dict[str, Any]:
         async with open_actor(run_cfg, server_urls, stream, metrics_sink, rollout=rollout, resume=resume) as actor:
+            freeze_startup_objects()  # the task's prompts, the imports: out of every later full collection
             final = await actor.run(stop_event)
             final["failures"] = actor.failures
             return final

@@ -14,7 +14,10 @@ last choice ends: a consumer that only wants the whole completion is not woken o
 
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
-carries the version of the weights of the forward that produced it.
+carries the version of the weights of the forward that produced it. `generate(..., min_version=v)` holds a request
+on the engine thread until the weights reach v, and admits it in the same loop turn as the pause that brings them
+(an RL actor can send a step's requests before the weights they need exist); after `version_wait_s` it fails with
+VersionNotReached instead.
 
 Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
 full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 /
@@ -48,6 +51,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class VersionNotReached(RuntimeError):
+    """A request's min_version was not reached within its version_wait_s (the server answers 409)."""
+
+
 @dataclass
 class TokenEvent:
     index: int  # choice index 0..n-1
@@ -60,9 +67,10 @@ class TokenEvent:
 
 class _Request:
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: set[int], loop, queue,
-                 stream: bool):
+                 stream: bool, min_version: int = 0, deadline: float = float("inf")):
         self.rid, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
         self.loop, self.queue = loop, queue
+        self.min_version, self.deadline = min_version, deadline  # held until the weights reach min_version
         self.seqs: list[_Seq] = []
         self.unfinished = params.n
         self.held: list[TokenEvent] | None = None if stream else []  # events kept until the request ends
@@ -119,6 +127,7 @@ class InferenceEngine:
         # state owned by the engine thread
         self._free = list(range(max_batch))  # a min-heap: low slots first keeps decode slots contiguous
         self._waiting: collections.deque[_Request] = collections.deque()
+        self._held: list[_Request] = []  # waiting for weights of their min_version, in arrival order
         self._running: list[_Seq] = []
         self._by_id: dict[str, _Request] = {}
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
@@ -163,12 +172,15 @@ class InferenceEngine:
         params.check(self.max_batch)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       stream: bool = True) -> AsyncIterator[TokenEvent]:
-        """The request's events, as they are generated, or (stream=False) all of them once it has ended."""
+                       stream: bool = True, min_version: int = 0,
+                       version_wait_s: float | None = None) -> AsyncIterator[TokenEvent]:
+        """The request's events, as they are generated, or (stream=False) all of them once it has ended. With
+        `min_version`, nothing starts before the weights reach it; VersionNotReached after `version_wait_s`."""
         self.validate_request(prompt_ids, params)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        deadline = float("inf") if version_wait_s is None else time.monotonic() + version_wait_s
         req = _Request(request_id, list(prompt_ids), params, stop_ids, asyncio.get_running_loop(), asyncio.Queue(),
-                       stream)
+                       stream, min_version, deadline)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine is stopped")
@@ -233,7 +245,7 @@ class InferenceEngine:
 
     def stats(self) -> dict[str, float]:
         running = len(self._running)
-        return dict(running=running, waiting=len(self._waiting) + len(self._inbox),
+        return dict(running=running, waiting=len(self._waiting) + len(self._inbox) + len(self._held),
                     batch_occupancy=running / self.max_batch, version=self.version, **self._st)
 
     # ---------------------------------------------------------------- engine thread
@@ -242,7 +254,11 @@ class InferenceEngine:
             with self._cv:
                 while not (self._stopping or self._inbox or self._aborts or self._pause_calls or self._running
                            or self._waiting):
-                    self._cv.wait()
+                    first = min((r.deadline for r in self._held), default=float("inf"))
+                    if first == float("inf"):
+                        self._cv.wait()
+                    elif not self._cv.wait(max(0.0, first - time.monotonic())):
+                        break  # a held request's deadline passed
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, collections.deque()
@@ -252,7 +268,9 @@ class InferenceEngine:
                 self._run_pause(fn, fut)
             for req in inbox:
                 self._by_id[req.rid] = req
-                self._waiting.append(req)
+                self._held.append(req)
+            if self._held:
+                self._release_held()
             for rid in aborts:
                 self._abort(rid)
             try:
@@ -264,7 +282,7 @@ class InferenceEngine:
                 for req in list(self._by_id.values()):
                     self._finish_request(req)
                     req.loop.call_soon_threadsafe(req.queue.put_nowait, e)
-                self._running, self._waiting, self._out = [], collections.deque(), {}
+                self._running, self._waiting, self._held, self._out = [], collections.deque(), [], {}
                 self._free = list(range(self.max_batch))
             self._flush()
         with self._cv:  # stopping: answer everything still queued
@@ -275,6 +293,8 @@ class InferenceEngine:
         for req in inbox:
             self._by_id[req.rid] = req
             self._waiting.append(req)
+        self._waiting.extend(self._held)
+        self._held = []
         for rid in list(self._by_id):
             self._abort(rid)
         self._flush()
@@ -289,6 +309,22 @@ class InferenceEngine:
         finally:
             self._in_pause = False
             self._st["paused_seconds_total"] += time.perf_counter() - t0
+
+    def _release_held(self) -> None:
+        """Requests whose weights have arrived join the waiting queue (arrival order kept); those past their
+        deadline end with VersionNotReached."""
+        now, keep = time.monotonic(), []
+        for req in self._held:
+            if req.min_version <= self.version:
+                self._waiting.append(req)
+            elif req.deadline <= now:
+                self._finish_request(req)
+                err = VersionNotReached(f"the weights are at version {self.version}; min_weight_version "
+                                        f"{req.min_version} was not reached in time")
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, err)
+            else:
+                keep.append(req)
+        self._held = keep
 
     def _admit(self) -> None:
         """Start waiting requests, lowest `priority` first (then arrival), while the first one's n choices fit: a
@@ -355,8 +391,8 @@ class InferenceEngine:
         req = self._by_id.get(rid)
         if req is None:
             return
-        if req in self._waiting:
-            self._waiting.remove(req)
+        if req in self._waiting or req in self._held:
+            (self._waiting if req in self._waiting else self._held).remove(req)
             for i in range(req.params.n):
                 self._emit(req, TokenEvent(i, -1, 0.0, self.version, None, "abort"))
             self._finish_request(req)

@@ -7,7 +7,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import time
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -19,8 +18,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
 from inflight.engine import openai_api as oa
+from inflight.engine.core import VersionNotReached
 from inflight.engine.guards import Admission, BodyLimit, QueueFull, check_master_address
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
+from inflight.heap import freeze_startup_objects
 
 log = logging.getLogger("inflight.engine.server")
 LOCAL_HOSTS = {"127.0.0.1", "::1", "localhost", "testclient"}
@@ -54,8 +55,10 @@ class _Choice:
 class _Generation:
     """Drives one engine request (n choices) and applies stop strings on the decoded text."""
 
-    def __init__(self, engine: Any, prompt_ids: list[int], params: Any, stops: list[str], n: int, want_text: bool):
+    def __init__(self, engine: Any, prompt_ids: list[int], params: Any, stops: list[str], n: int, want_text: bool,
+                 min_version: int = 0, version_wait_s: float | None = None):
         self.engine, self.prompt_ids, self.params, self.stops = engine, prompt_ids, params, stops
+        self.gate = {"min_version": min_version, "version_wait_s": version_wait_s} if min_version else {}
         self.rid = uuid.uuid4().hex
         self.choices = [_Choice(i) for i in range(n)]
         self.incremental = bool(stops) or want_text  # decode after every token (stops / streaming)
@@ -67,7 +70,8 @@ class _Generation:
         engine_live = set(range(len(self.choices)))  # choices the engine has not finished
         try:
             # without stop strings or streaming nothing is needed before the end: the engine hands it all at once
-            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params, stream=self.incremental):
+            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params, stream=self.incremental,
+                                                 **self.gate):
                 ch = self.choices[ev.index]
                 if ev.finish_reason is not None:
                     engine_live.discard(ev.index)
@@ -145,6 +149,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
     async def lifespan(app: FastAPI):
         if manage_engine:
             engine.start()
+        freeze_startup_objects()  # the model, tokenizer and imports: out of every later full collection
         yield
         if manage_engine:
             engine.stop()
@@ -175,6 +180,10 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
     @app.exception_handler(BadRequest)
     async def _bad(_: Request, exc: BadRequest) -> JSONResponse:
         return _error(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(VersionNotReached)
+    async def _stale(_: Request, exc: VersionNotReached) -> JSONResponse:
+        return _error(409, f"{exc} (within {version_wait_s:g} s)", "min_weight_version")
 
     @app.exception_handler(QueueFull)
     async def _busy(_: Request, exc: QueueFull) -> JSONResponse:
@@ -339,18 +348,29 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
         return _FastJSON(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
 
-    def run_stream(kind: str, gen: _Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+    async def run_stream(kind: str, gen: _Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+        """A request held for its weights waits here for its first event: a version that never comes is a 409, not
+        a stream that breaks off after its headers."""
         rid = f"{kind}-{gen.rid}"
 
         def sse(choices: list[dict], use: dict | None = None) -> bytes:
             return b"data: " + orjson.dumps(oa.envelope(kind, rid, model, choices, use, chunk=True)) + b"\n\n"  # type: ignore[arg-type]
+
+        events = gen.events()
+        first = [await anext(events)] if gen.gate else []
+
+        async def choices() -> AsyncIterator[_Choice]:
+            for ch in first:
+                yield ch
+            async for ch in events:
+                yield ch
 
         async def body() -> AsyncIterator[bytes]:
             if kind == "chat":  # OpenAI's first chunk announces the role
                 yield sse([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for c in gen.choices])
             done_tokens = [0] * len(gen.choices)
-            async for ch in gen.events():
+            async for ch in choices():
                 new = slice(done_tokens[ch.index], len(ch.token_ids))
                 delta = gen.stream_delta(ch)
                 if new.start == new.stop and not delta and ch.finish_reason is None:
@@ -364,16 +384,6 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    async def reach_version(version: int) -> None:
-        """Hold a request until the weights reach its min_weight_version: 409 once version_wait_s has passed (a
-        version that never comes must not hold a connection and a queue place forever)."""
-        deadline = time.monotonic() + version_wait_s
-        while engine.version < version:
-            if time.monotonic() >= deadline:
-                raise BadRequest(f"the weights are at version {engine.version}; min_weight_version {version} was not "
-                                 f"reached within {version_wait_s:g} s", "min_weight_version", status=409)
-            await asyncio.sleep(0.002)
-
     async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
         check_model(req.model)
         prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
@@ -381,11 +391,15 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
         try:
-            await reach_version(req.min_weight_version or 0)
-            gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream)
+            # a request for weights not here yet is held by the engine (a version that never comes must not hold a
+            # connection and a queue place forever: 409 after version_wait_s)
+            min_version = req.min_weight_version or 0
+            gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream,
+                              min_version=min_version if min_version > engine.version else 0,
+                              version_wait_s=version_wait_s)
             if req.stream:
                 inc = bool(req.stream_options and req.stream_options.include_usage)
-                stream = run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
+                stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
                 return _Releasing(stream, release)
             return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp)
         finally:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inflight.heap import freeze_startup_objects
 from inflight.pipeline.metrics import MetricsLogger
 
 
@@ -47,6 +48,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     if world > 1 and rank > 0:
         from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
+        freeze_startup_objects()
         DistributedTrainerLoop(cfg, engine, stream, None, None, run_dir, rank=rank, world_size=world,
                                resume=resume).run()
         return
@@ -62,6 +64,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     sync.init_process_group()
     log.log("trainer_ready", step=engine.version, init_s=time.time() - t0, pid=os.getpid(),
             resumed_from=resume_from)
+    freeze_startup_objects()
     try:
         if world > 1:
             from inflight.pipeline.fsdp_loop import DistributedTrainerLoop

@@ -115,7 +115,8 @@ class TrainerLoop:
         return not (p.max_minutes and time.time() - self.started >= 60.0 * p.max_minutes)
 
     def live_cap(self) -> int:
-        """The most groups the actor may have started (and not given up) at the version published last."""
+        """The most groups that can be complete at the version published last: AReaL's bound. (Groups the actor
+        queued ahead, `actor.queue_ahead`, wait at the servers for a later version.)"""
         from inflight.actor.run import pipeline_limits
 
         a = self.cfg.actor

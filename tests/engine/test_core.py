@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inflight.engine.core import InferenceEngine, SamplingParams, TokenEvent
+from inflight.engine.core import InferenceEngine, SamplingParams, TokenEvent, VersionNotReached
 
 torch.set_num_threads(1)
 TOL = 1e-4
@@ -350,6 +351,57 @@ def test_update_during_generation(tiny_model_dir, ref64, mode):
         assert (got - fresh).abs().max() < TOL
     else:  # keep: the prefix KV was computed by the old weights
         assert (got - fresh).abs().max() > 1e-3
+
+
+def test_a_held_request_starts_with_the_weights_it_asked_for(tiny_model_dir, ref64):
+    """min_version: the request waits on the engine thread (no slot, no token) while others run, and its first token
+    comes from the weights of the pause that brings that version. One that never gets them fails with
+    VersionNotReached at its deadline; one whose consumer goes away leaves nothing behind."""
+    eng = fresh_engine(tiny_model_dir)
+    new = perturbed(eng, seed=2)
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    async def main():
+        held = asyncio.create_task(collect_gated(eng, "held", prompt, params, min_version=1))
+        plain = await collect(eng, "plain", prompt, params)  # runs to its end beside the held one
+        stats = eng.stats()
+        assert not held.done() and stats["running"] == 0 and stats["waiting"] == 1
+        await eng.run_paused(lambda: eng.load_weights(new, 1))
+        return plain, await held
+
+    async def never():
+        t0 = time.monotonic()
+        with pytest.raises(VersionNotReached, match="min_weight_version 9"):
+            await collect_gated(eng, "never", prompt, params, min_version=9, version_wait_s=0.3)
+        return time.monotonic() - t0
+
+    async def walk_away():
+        task = asyncio.create_task(collect_gated(eng, "gone", prompt, params, min_version=9))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(100):
+            if eng.stats()["waiting"] == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        plain, held = asyncio.run(main())
+        assert {e.version for e in plain} == {0}
+        assert_logprobs_match(ref64, prompt, plain)
+        assert [e.version for e in held] == [1] * 10
+        assert_logprobs_match(ref_with(tiny_model_dir, new), prompt, held)
+        assert 0.3 <= asyncio.run(never()) < 5
+        asyncio.run(walk_away())
+        assert eng.stats()["waiting"] == 0 and eng.stats()["running"] == 0
+        assert len(asyncio.run(collect(eng, "after", prompt, params))) == 10  # the engine still serves
+    finally:
+        eng.stop()
+
+
+async def collect_gated(eng, rid, prompt, params, **gate) -> list[TokenEvent]:
+    return [ev async for ev in eng.generate(rid, prompt, params, **gate)]
 
 
 def test_bad_load_weights_changes_nothing(tiny_model_dir):

@@ -4,6 +4,7 @@ and 1,000 concurrent clients. Servers run as real `inflight serve` subprocesses.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -150,9 +151,9 @@ def test_min_weight_version_waits_for_the_push_or_gets_409(tiny_model_dir):
     with ServerProcess(str(tiny_model_dir), extra_args=["--version-wait-s", "2"], env=ENV) as proc:
         model = httpx.get(proc.url + "/v1/models").json()["data"][0]["id"]
 
-        def ask(min_version: int) -> tuple[httpx.Response, float]:
+        def ask(min_version: int, stream: bool = False) -> tuple[httpx.Response, float]:
             body = {"model": model, "messages": MSG, "max_tokens": 6, "ignore_eos": True,
-                    "min_weight_version": min_version}
+                    "min_weight_version": min_version, "stream": stream}
             r = httpx.post(proc.url + "/v1/chat/completions", json=body, timeout=60)
             return r, time.monotonic()
 
@@ -160,17 +161,22 @@ def test_min_weight_version_waits_for_the_push_or_gets_409(tiny_model_dir):
         sync.init_process_group()
         try:
             with ThreadPoolExecutor(2) as pool:
-                waiting = pool.submit(ask, 1)
+                waiting, streaming = pool.submit(ask, 1), pool.submit(ask, 1, True)
                 time.sleep(0.5)
-                assert not waiting.done()  # held: the server is at version 0
+                assert not waiting.done() and not streaming.done()  # held: the server is at version 0
                 pushed_at = time.monotonic()
                 sync.push(hf.named_parameters(), version=1)
                 r, answered_at = waiting.result()
+                rs, _ = streaming.result()
             assert r.status_code == 200 and answered_at > pushed_at
             assert r.json()["choices"][0]["token_versions"] == [1] * 6
-            t0 = time.monotonic()
-            r, _ = ask(2)
-            assert r.status_code == 409 and 2 <= time.monotonic() - t0 < 10
-            assert "min_weight_version 2" in r.json()["error"]["message"]
+            chunks = [json.loads(line[6:]) for line in rs.text.splitlines() if line.startswith("data: {")]
+            assert rs.status_code == 200 and [v for c in chunks for ch in c["choices"]
+                                              for v in ch.get("token_versions", [])] == [1] * 6
+            for stream in (False, True):  # a version that never comes: 409, also before a stream's headers
+                t0 = time.monotonic()
+                r, _ = ask(2, stream)
+                assert r.status_code == 409 and 2 <= time.monotonic() - t0 < 10
+                assert "min_weight_version 2" in r.json()["error"]["message"]
         finally:
             sync.close()

@@ -149,5 +149,5 @@ def test_actor_rebased_on_resume(tiny_model_dir):
     assert next(actor.prompts).id == prompts[7]
     assert actor.live_groups == 6  # = groups trained by version 3 (3 steps x 2)
     assert actor.metrics.in_flight == 0
-    assert actor.bound(3) - actor.live_groups == (cfg.max_lag + 1) * cfg.groups_per_step
+    assert actor.bound(3) - actor.live_groups == (cfg.max_lag + 1 + cfg.queue_ahead) * cfg.groups_per_step
     assert actor.min_version == 3

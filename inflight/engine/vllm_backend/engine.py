@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from typing import Any, AsyncIterator
 
-from inflight.engine.core import TokenEvent
+from inflight.engine.core import TokenEvent, VersionNotReached
 from inflight.engine.sampling import SamplingParams
 
 log = logging.getLogger("inflight.vllm.engine")
@@ -43,7 +44,8 @@ class VLLMEngine:
         self.max_model_len = int(mc.max_model_len)
         self.max_batch = int(llm.vllm_config.scheduler_config.max_num_seqs)
         self.vocab_size = int(AutoConfig.from_pretrained(model_dir).vocab_size)
-        self.version = 0
+        self._version = 0
+        self._version_changed = asyncio.Event()  # set (and replaced) whenever the version changes
         self.generated_tokens = 0
         self.paused_seconds = 0.0
         self._live: dict[str, list[str]] = {}  # inflight request id -> vLLM request ids (one per choice)
@@ -54,6 +56,28 @@ class VLLMEngine:
 
     def stop(self) -> None:
         self.llm.shutdown()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:  # the receiver sets it on the event loop, right after an update
+        self._version = value
+        self._version_changed.set()
+        self._version_changed = asyncio.Event()
+
+    async def _reach_version(self, version: int, wait_s: float | None) -> None:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while self._version < version:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise VersionNotReached(f"the weights are at version {self._version}; min_weight_version {version} "
+                                        "was not reached in time")
+            try:
+                await asyncio.wait_for(self._version_changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     # ---- generation -------------------------------------------------------------------------------------------
     def _vllm_params(self, p: SamplingParams, index: int) -> Any:
@@ -66,11 +90,14 @@ class VLLMEngine:
                    logprobs=p.top_logprobs, detokenize=False, output_kind=RequestOutputKind.DELTA)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       stream: bool = True) -> AsyncIterator[TokenEvent]:
-        """n choices = n vLLM requests (vLLM's prefix cache shares the prompt); events merged as they come. (The
-        server holds a request with a min_weight_version until the weights reach it, before this is called.)
-        `stream` is accepted for the built-in engine's signature: tokens' versions are read while they stream."""
+                       stream: bool = True, min_version: int = 0,
+                       version_wait_s: float | None = None) -> AsyncIterator[TokenEvent]:
+        """n choices = n vLLM requests (vLLM's prefix cache shares the prompt); events merged as they come. A request
+        with `min_version` waits here until an update brings those weights (VersionNotReached after
+        `version_wait_s`). `stream` is accepted for the built-in engine's signature: tokens' versions are read while
+        they stream."""
         params.check(self.max_batch)
+        await self._reach_version(min_version, version_wait_s)
         queue: asyncio.Queue = asyncio.Queue()
         sub_ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:6]}" for i in range(params.n)]
         self._live[request_id] = sub_ids
