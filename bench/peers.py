@@ -2,7 +2,8 @@
 under .cache/peers/trl, never a dependency of inflight) vs `inflight train` pipelined (configs/cpu-demo.yaml) and
 sync (configs/cpu-sync.yaml), same warm-started tiny model, arith task, verifier, 16 prompts x 8 samples per step,
 lr 3e-4 (--lr), 12 new tokens. The systems run alternately (A B C A B C) to cancel drift; the table gives medians
-and the spread (min-max) over the repeats.
+and the spread (min-max) over the repeats. Repeat r runs every system with seed r (prompt order and sampling), so
+the spread holds each system's own learning noise. Every run's steps and evaluations go to RUN_DIR/peers-results.json.
 
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
     .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
@@ -13,10 +14,11 @@ threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override 
 
 Per run: samples/s (samples trained by the last optimizer step / its time on the clock below), seconds and samples
 to the first held-out evaluation >= --target (clock from the moment generation can start: inflight's
-`roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached,
-and the share of the machine's matmul peak: FLOPs the run needed (8 N (P + C) per sample: 2 N per token to
-generate, 6 N to train, N = parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s
-measured here on all cores (1024^3 fp32, best of 5, before and after).
+`roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached and the mean
+of the evaluations up to it (the learning curve per sample, steadier than one evaluation), and the share of the
+machine's matmul peak: FLOPs the run needed (8 N (P + C) per sample: 2 N per token to generate, 6 N to train, N =
+parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s measured here on all cores (1024^3
+fp32, best of 5, before and after).
 
 Evaluation: every 10 steps, greedy on the same 200 held-out problems with HF `generate`
 (bench/peers/arith_eval.py), off the clock for both: TRL evaluates in its loop and subtracts the seconds; inflight
@@ -133,7 +135,7 @@ def hf_accuracies(models: list[Path]) -> list[float]:
 
 
 def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
-                 run_dir: Path, extra: list[str], lr: float, eval_on: str) -> dict:
+                 run_dir: Path, extra: list[str], lr: float, eval_on: str, seed: int) -> dict:
     """eval_on "checkpoints": a checkpoint every eval_every steps, scored afterwards with arith_eval.py (TRL's
     function; like TRL's, off the clock); "servers": inflight's own evaluation through its servers while it trains
     (the same greedy scoring, but its 200 requests share the servers' CPU with the rollouts, on the clock)."""
@@ -143,7 +145,7 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
                   ["actor.eval_every=0", f"pipeline.checkpoint_every={eval_every}", "pipeline.keep_checkpoints=100000"])
     cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
            f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
-           'task.prompt="{expr}="', *evaluation, "pipeline.progress=false", f"trainer.lr={lr}",
+           'task.prompt="{expr}="', *evaluation, "pipeline.progress=false", f"trainer.lr={lr}", f"seed={seed}",
            "pipeline.tensorboard=false",
            f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}", *extra]
     sh(cmd, stdout=subprocess.DEVNULL)
@@ -171,12 +173,12 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
 
 
 def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
-            threads: int, lr: float) -> dict:
+            threads: int, lr: float, seed: int) -> dict:
     out = run_dir / f"peers-trl{threads}-{tag}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
            str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every),
-           "--lr", str(lr)]
+           "--lr", str(lr), "--seed", str(seed)]
     sh(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads),
                                                                         "TOKENIZERS_PARALLELISM": "false"})
     recs = [json.loads(line) for line in open(out)]
@@ -204,6 +206,13 @@ def acc_at(evals: list, samples: float) -> float | None:
     """The last evaluation taken at or before `samples` trained samples."""
     done = [a for _, s, a in evals if s <= samples]
     return done[-1] if done else None
+
+
+def mean_acc_to(evals: list, samples: float) -> float | None:
+    """The learning curve's mean: the average of the evaluations after the start, up to `samples` trained samples
+    (one evaluation has ±3 points of noise on 200 problems; the mean of many compares runs more steadily)."""
+    accs = [a for _, s, a in evals if 0 < s <= samples]
+    return statistics.mean(accs) if accs else None
 
 
 def fmt(vals: list, spec: str, scale: float = 1.0) -> str:
@@ -268,10 +277,10 @@ def main() -> None:
             tag = f"r{r}"
             kind, *extra = system.split(":")
             res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir,
-                           int(extra[0]) if extra else args.trl_threads, args.lr)
+                           int(extra[0]) if extra else args.trl_threads, args.lr, seed=r)
                    if kind == "trl" else
                    run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra,
-                                args.lr, args.inflight_eval))
+                                args.lr, args.inflight_eval, seed=r))
             cmds[system] = res["cmd"]
             runs[system].append(res)
             print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",
@@ -285,8 +294,8 @@ def main() -> None:
           f"{peak / 1e9:.1f} GFLOP/s (runs: {', '.join(f'{p / 1e9:.1f}' for p in peaks)}); target accuracy "
           f"{args.target:.0%}; {args.repeats} repeat(s) x {args.minutes} min; median (min-max)")
     head = ["system", "samples/s", "vs TRL", "samples trained", f"s to {args.target:.0%}",
-            f"samples to {args.target:.0%}", "acc at start", f"acc at {common} samples", "best acc",
-            "final acc (HF eval)", "matmul peak share"]
+            f"samples to {args.target:.0%}", "acc at start", f"acc at {common} samples",
+            f"mean acc to {common} samples", "best acc", "final acc (HF eval)", "matmul peak share"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     trls = [s for s in table if s.startswith("trl")]  # the baseline: the fastest TRL setting that ran
     trl_rate = max(statistics.median(x["samples_per_s"] for x in table[s]) for s in trls) if trls else None
@@ -295,14 +304,18 @@ def main() -> None:
         ratio = fmt([v / trl_rate for v in rate], ".2f") + "x" if trl_rate else "-"
         cells = [s, fmt(rate, ".1f"), ratio, fmt([x["samples"] for x in rs], ".0f"),
                  fmt([x["to_target_s"] for x in rs], ".0f"), fmt([x["to_target_samples"] for x in rs], ".0f"),
-                 fmt([x["first_acc"] for x in rs], ".1f", 100), fmt([acc_at(x["evals"], common) for x in rs], ".1f",
-                                                                    100),
+                 fmt([x["first_acc"] for x in rs], ".1f", 100),
+                 fmt([acc_at(x["evals"], common) for x in rs], ".1f", 100),
+                 fmt([mean_acc_to(x["evals"], common) for x in rs], ".1f", 100),
                  fmt([x["best_acc"] for x in rs], ".1f", 100), fmt([x["final_hf"] for x in rs], ".1f", 100),
                  fmt([x["mfu"] for x in rs], ".2f", 100) + "%"]
         print("| " + " | ".join(cells) + " |")
     print("\ncommands:")
     for s, c in cmds.items():
         print(f"  {s}: {c}")
+    out = args.run_dir / "peers-results.json"  # every run's steps and evaluations, for a closer look
+    out.write_text(json.dumps({"argv": sys.argv, "common_samples": common, "runs": runs, "table": table}))
+    print(f"runs and evaluations: {out}")
 
 
 def _prod(shape) -> int:

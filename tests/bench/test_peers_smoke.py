@@ -3,6 +3,7 @@ too when its venv (.cache/peers/trl, `bench/peers.py --setup`) exists; without i
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -35,8 +36,11 @@ def test_peers_prints_a_table(tiny_model_dir, tmp_path):
         assert float(cells[0].split()[0]) > 0, (system, row)  # samples/s
         assert cells[2].split()[0] == "512", (system, row)  # 4 steps x 128 samples trained
         assert cells[3] != "not reached", (system, row)  # target 0 is reached at the first evaluation
-        share = float(cells[9].split()[0].rstrip("%"))
+        assert 0 <= float(cells[6].split()[0]) <= 100, (system, row)  # the learning curve's mean accuracy
+        share = float(cells[10].split()[0].rstrip("%"))
         assert 0 < share < 100, (system, row)  # no run beats the machine's matmul peak
+    saved = json.loads((tmp_path / "peers-results.json").read_text())
+    assert sorted(saved["runs"]) == sorted(systems) and all(len(saved["runs"][s][0]["evals"]) == 3 for s in systems)
 
 
 @pytest.mark.slow
