@@ -16,8 +16,8 @@ servers, actor) call it at start; INFLIGHT_KEEP_FREED_MEMORY=0 turns it off. Oth
 from __future__ import annotations
 
 import ctypes
-import gc
 import ctypes.util
+import gc
 import logging
 import os
 
