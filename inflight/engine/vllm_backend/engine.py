@@ -76,7 +76,7 @@ class VLLMEngine:
                                         "was not reached in time")
             try:
                 await asyncio.wait_for(self._version_changed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     # ---- generation -------------------------------------------------------------------------------------------
