@@ -87,7 +87,7 @@ def bucket_layout(params: list[ParamInfo], bucket_bytes: int) -> list[list[tuple
     order, each at the next multiple of BUCKET_ALIGN bytes of the current bucket, a new bucket whenever the next
     tensor would not fit in `bucket_bytes`. A bucket is [(param index, byte offset), ...]. A bucket of one tensor is
     broadcast as that tensor (its shape and dtype); a bucket of several as one flat uint8 buffer of
-    `bucket_size(...)` bytes. Many small tensors then cost one broadcast, large ones are never copied."""
+    `packed_bytes(...)` bytes. Many small tensors then cost one broadcast, large ones are never copied."""
     buckets: list[list[tuple[int, int]]] = []
     end = bucket_bytes  # the current bucket's used bytes (full: start a new one)
     for i, p in enumerate(params):
@@ -101,7 +101,10 @@ def bucket_layout(params: list[ParamInfo], bucket_bytes: int) -> list[list[tuple
     return buckets
 
 
-def bucket_size(params: list[ParamInfo], bucket: list[tuple[int, int]]) -> int:
+def packed_bytes(params: list[ParamInfo], bucket: list[tuple[int, int]]) -> int:
+    """The size of a bucket's flat uint8 buffer; 0 for a bucket of one tensor, which travels as that tensor."""
+    if len(bucket) == 1:
+        return 0
     i, offset = bucket[-1]
     return offset + _param_bytes(params[i])
 

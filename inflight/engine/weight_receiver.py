@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, bucket_size
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes
 
 log = logging.getLogger("inflight.engine.weights")
 
@@ -197,9 +197,10 @@ class WeightReceiver:
             # every receive is posted at once, in the announced order, then waited for: the waits release the GIL,
             # while posting one receive at a time waited for the GIL between tensors (the engine thread holds it
             # for up to the 5 ms switch interval), which made a 30-tensor update 10x slower on a busy server
-            bufs = [torch.empty(tuple(params[b[0][0]].shape), dtype=specs[params[b[0][0]].name][1], device=self.device)
-                    if len(b) == 1 else torch.empty(bucket_size(params, b), dtype=torch.uint8, device=self.device)
-                    for b in buckets]
+            sizes = [packed_bytes(params, b) for b in buckets]
+            bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) if n else
+                    torch.empty(tuple(params[b[0][0]].shape), dtype=specs[params[b[0][0]].name][1], device=self.device)
+                    for b, n in zip(buckets, sizes)]
             works = [group.broadcast([b], _bcast_opts(root=0)) for b in bufs]
             try:
                 for work in works:
@@ -215,10 +216,10 @@ class WeightReceiver:
                 f"({str(e).splitlines()[0][:200]}); nothing applied, weights stay at v{self.engine.version}; "
                 "POST /init_process_group again", status=409) from None
         received: dict[str, torch.Tensor] = {}
-        for bucket, buf in zip(buckets, bufs):
+        for bucket, buf, n in zip(buckets, bufs, sizes):
             for i, offset in bucket:  # views into the bucket: load_weights copies them into the model
                 p = params[i]
-                received[p.name] = buf if len(bucket) == 1 else unpack(buf, offset, p.shape, specs[p.name][1])
+                received[p.name] = unpack(buf, offset, p.shape, specs[p.name][1]) if n else buf
         return received
 
 

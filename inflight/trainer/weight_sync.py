@@ -35,7 +35,7 @@ from typing import Any, Iterable
 import httpx
 import torch
 
-from inflight.contracts import ParamInfo, bucket_layout, bucket_size
+from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
 
 log = logging.getLogger("inflight.trainer.weight_sync")
 
@@ -223,7 +223,7 @@ class WeightSyncClient:
         if self._layout is None or self._layout[0] != key:
             infos = [ParamInfo(**p) for p in params]
             buckets = bucket_layout(infos, self.bucket_bytes)
-            sizes = [bucket_size(infos, b) if len(b) > 1 else 0 for b in buckets]
+            sizes = [packed_bytes(infos, b) for b in buckets]
             self._layout = (key, buckets, sizes)
             self._buckets = [torch.empty(n, dtype=torch.uint8, device=tensors[0][1].device) for n in sizes if n]
         _, buckets, sizes = self._layout

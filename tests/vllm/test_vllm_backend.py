@@ -89,11 +89,12 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
     assert r.status_code == 400 and "absolute" in r.text
 
     version = 0
-    for transport in ("file", "process_group"):
-        client = WeightSyncClient([url], transport=transport)
+    # the process group per tensor, then with the small tensors packed in 64 KiB buckets (the worker unpacks them)
+    for transport, bucket in (("file", 0), ("process_group", 0), ("process_group", 2**16)):
+        client = WeightSyncClient([url], transport=transport, bucket_bytes=bucket)
         try:
             client.init_process_group()
-            if transport == "process_group":  # now the 400s of a joined server
+            if transport == "process_group" and not bucket:  # now the 400s of a joined server
                 for bad, word in [({**one, "name": "nope.weight"}, "unknown"), ({**one, "shape": [1, 2]}, "shape"),
                                   ({**one, "dtype": "bfloat16"}, "dtype")]:
                     r = httpx.post(url + "/request_weight_update", json={"version": 9, "params": [bad]})
@@ -102,10 +103,11 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
             version += 1
             stats = client.push(((n, p.float()) for n, p in hf_model.named_parameters()), version=version)
             assert stats["pause_s"][url] >= 0
+            assert not bucket or len(client._layout[1]) < stats["num_tensors"]  # packed: fewer broadcasts
             ch = _greedy(url, name)
             assert ch["token_versions"] == [version] * 8
             ref = _reference(hf_model, ch["prompt_token_ids"], ch["token_ids"])
-            assert max(abs(a - b) for a, b in zip(ch["lps"], ref)) < 1e-4, transport
+            assert max(abs(a - b) for a, b in zip(ch["lps"], ref)) < 1e-4, (transport, bucket)
             with torch.no_grad():  # partial update: one tensor, the others keep their values
                 hf_model.lm_head.weight.mul_(-1.5)
             version += 1
@@ -113,7 +115,7 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
             ch = _greedy(url, name)
             assert ch["token_versions"] == [version] * 8
             ref = _reference(hf_model, ch["prompt_token_ids"], ch["token_ids"])
-            assert max(abs(a - b) for a, b in zip(ch["lps"], ref)) < 1e-4, transport
+            assert max(abs(a - b) for a, b in zip(ch["lps"], ref)) < 1e-4, (transport, bucket)
         finally:
             client.close()
     assert httpx.get(url + "/health").json()["version"] == version

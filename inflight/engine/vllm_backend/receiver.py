@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, bucket_size
+from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes
 from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params
 
 log = logging.getLogger("inflight.vllm.weights")
@@ -136,7 +136,7 @@ class VLLMWeightReceiver:
                     params = req.params
                     await self._rpc("inflight_receive", [
                         [[[params[i].name, list(params[i].shape), params[i].dtype, offset] for i, offset in b],
-                         bucket_size(params, b) if len(b) > 1 else 0]
+                         packed_bytes(params, b)]
                         for b in bucket_layout(params, req.bucket_bytes)])
                 await self._rpc("inflight_apply")
                 if req.mode == "interrupt":
