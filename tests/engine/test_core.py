@@ -511,7 +511,7 @@ def test_interrupt_lands_with_admission_and_mid_chunked_prefill(tiny_model_dir):
     prompt is half-way through its chunked prefill: every token still matches a fresh forward of its version."""
     eng = fresh_engine(tiny_model_dir, max_tokens_per_step=8)
     w1, w2 = perturbed(eng, seed=31), perturbed(eng, seed=32)
-    long_prompt = ids(60, start=3)
+    long_prompt = ids(140, start=3)  # ~14 steps of prefill left at the second update: a margin for a busy host
 
     async def main():
         entered, gate = threading.Event(), threading.Event()
