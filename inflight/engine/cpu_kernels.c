@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_math.h"
+#include "../native/cpu_math.h"
 
 /* max of x[0..n), in 16 running maxima: one chain of compares would not vectorize (NaNs are skipped). */
 static inline float max_of(const float* x, int64_t n) {

@@ -8,12 +8,7 @@ another 6 ops per layer, one masked SDPA per prompt chunk, sampling ~8 full-voca
 each in one pass; bench/engine.py measures the engine with and without them (1.3-1.8x at batch >= 32, up to 2.4x
 below), see docs/benchmarks.md.
 
-Build: `cc -O3 -march=native` (plus the reassociation flags that let the reductions vectorize; not -ffast-math,
-whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else
-~/.cache/inflight/kernels (XDG_CACHE_HOME honoured). The file is named by a hash of the source, the flags and the
-CPU, so a changed source or another CPU builds anew (~0.5 s); it is written to a temporary name and renamed, so
-concurrent processes never load a partial file (`build_and_open` does the same for the trainer's
-cpu_kernels.c). Without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
+Built once per machine by inflight/native/build.py; without a compiler, or with INFLIGHT_CPU_KERNELS=0, `load()`
 returns None and the runner uses torch ops. The kernels are single-threaded; ctypes releases the GIL while they run.
 """
 
@@ -21,23 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from inflight.native.build import build_and_open
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-         "-shared", "-fPIC"]
 MAX_HEAD_DIM = 1024  # rope_and_cache's per-head buffer
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -50,68 +35,11 @@ _SIGNATURES = {
 }
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return platform.processor()
-
-
-def _build(cc: str, out: Path, flags: list[str] = FLAGS, source: Path = SOURCE) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=120)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def kernel_dir() -> Path:
-    if os.environ.get("INFLIGHT_KERNEL_DIR"):
-        return Path(os.environ["INFLIGHT_KERNEL_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inflight" / "kernels"
-
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels library, or None (logged once) where it cannot be built here or is turned off."""
     return build_and_open(SOURCE, _SIGNATURES)
-
-
-def build_and_open(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """The library of one C source (built here once, see the header), or None with a warning."""
-    if os.environ.get("INFLIGHT_CPU_KERNELS", "1") == "0":
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: %s is not built, torch ops run instead", source.name)
-        return None
-    text = source.read_bytes()
-    for name in re.findall(rb'#include "([^"]+)"', text):  # the headers it includes change the build too
-        text += (source.parent / name.decode()).read_bytes()
-    key = hashlib.sha256(text + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    so = kernel_dir() / f"{source.stem}-{key}.so"
-    try:
-        if not so.exists():
-            _build(cc, so, FLAGS, source)
-        return _open(so, signatures)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("could not build %s (%s): torch ops run instead", source.name, str(detail).strip()[:500])
-        return None
-
-
-def _open(so: Path, signatures: dict[str, list] = _SIGNATURES) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(so))
-    for name, args in signatures.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = None
-    return lib
 
 
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

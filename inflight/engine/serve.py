@@ -102,7 +102,7 @@ class ServerProcess:
 
         import httpx
 
-        from inflight.trainer.weight_sync import free_port
+        from inflight.host import free_port
 
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"

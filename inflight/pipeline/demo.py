@@ -58,7 +58,8 @@ def result_line(summary: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from inflight.config import ConfigError, RunConfig, load_config
-    from inflight.pipeline.launcher import run_dir_of, run_pipeline
+    from inflight.pipeline.launch_common import run_dir_of
+    from inflight.pipeline.launcher import run_pipeline
 
     try:
         cfg = load_config(RunConfig, args.config, args.overrides)

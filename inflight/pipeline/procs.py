@@ -9,7 +9,6 @@ ranks, ...) with it.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -21,16 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Linux: have the kernel send `sig` to this process when its parent dies (no-op elsewhere)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        except OSError:
-            pass
+from inflight.host import die_with_parent
 
 
 def _preexec() -> None:  # runs in the forked child before exec

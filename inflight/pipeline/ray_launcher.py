@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from inflight.pipeline.launcher import MAX_RESTARTS, open_run, wait_healthy
+from inflight.pipeline.launch_common import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.supervise import RoleFailed, supervise

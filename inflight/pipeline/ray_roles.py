@@ -50,7 +50,7 @@ class ServerActor:
         import uvicorn
 
         from inflight.engine import serve
-        from inflight.pipeline.launcher import server_command
+        from inflight.pipeline.launch_common import server_command
         from inflight.pipeline.metrics import MetricsLogger
         from inflight.pipeline.restart import WeightGate
 

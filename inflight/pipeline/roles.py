@@ -32,7 +32,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     reads the stream, pushes weights and logs. `resume_from`: a checkpoint folder to continue from (weights,
     optimizer, scheduler, RNG, counters; the servers get its weights before the actor starts)."""
     from inflight.pipeline.trainer_loop import TrainerLoop
-    from inflight.trainer.single import make_trainer
+    from inflight.trainer.factory import make_trainer
     from inflight.trainer.protocols import make_weight_sync
 
     _setup(cfg, cfg.trainer.threads)
@@ -58,7 +58,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
         ref = make_trainer(cfg.model.path, cfg.trainer)
         ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
-    from inflight.pipeline.launcher import wait_healthy
+    from inflight.pipeline.launch_common import wait_healthy
 
     wait_healthy(server_urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)  # servers may still load
     sync.init_process_group()

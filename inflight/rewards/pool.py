@@ -18,6 +18,8 @@ import signal
 import time
 from typing import Any, Callable, Literal
 
+from inflight.host import die_with_parent
+
 log = logging.getLogger("inflight.rewards")
 
 Outcome = Literal["ok", "raised", "timeout", "crashed"]
@@ -25,12 +27,7 @@ Outcome = Literal["ok", "raised", "timeout", "crashed"]
 
 def _worker_main(conn: Any, factory: Callable[..., Callable[..., Any]], factory_args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
-    try:
-        from inflight.pipeline.procs import die_with_parent
-
-        die_with_parent(signal.SIGKILL)
-    except ImportError:
-        pass
+    die_with_parent(signal.SIGKILL)
     try:
         fn = factory(*factory_args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it

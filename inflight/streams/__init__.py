@@ -10,9 +10,8 @@ The actor calls the blocking `put` through `asyncio.to_thread`; the trainer read
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from inflight.pipeline.config import PipelineConfig
 from inflight.streams.memory import MemoryStream, StreamClosed
 from inflight.streams.redis_stream import RedisStream
 from inflight.streams.serialize import SerializationError, decode_group, encode_group
@@ -20,12 +19,19 @@ from inflight.streams.steps import StepReader
 
 __all__ = [
     "MemoryStream", "RedisStream", "StreamClosed", "SerializationError", "encode_group", "decode_group",
-    "StepReader", "make_stream",
+    "StepReader", "StreamSettings", "make_stream",
 ]
 
 
+class StreamSettings(Protocol):
+    """The two settings a stream needs (`pipeline.stream`, `pipeline.redis_url` of the run's config)."""
+
+    stream: str  # memory | redis
+    redis_url: str
+
+
 def make_stream(
-    pipeline_cfg: PipelineConfig, *, name: str = "inflight", capacity: int = 1024, ctx: Any = None
+    pipeline_cfg: StreamSettings, *, name: str = "inflight", capacity: int = 1024, ctx: Any = None
 ) -> MemoryStream | RedisStream:
     """`pipeline.stream`: memory (default) | redis (at `pipeline.redis_url`, keys under `name`).
     `capacity` bounds the groups held (memory: not yet read; redis: not yet acked). `ctx`: the multiprocessing

@@ -27,10 +27,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from inflight.trainer.prefix import length_buckets, shared_sdpa
 from inflight.trainer.row_attention import Rows, row_attention, usable
 
 NAME = "inflight_packed"
-_PAD_SLACK = 1.25  # a bucket's padded area may exceed its real area by this factor
 _PACKED_CALL = contextvars.ContextVar("inflight_packed_call", default=False)
 _INDEX_CACHE: dict[tuple, list] = {}  # (sample bounds, device) -> per-bucket indices, for the layers of one forward
 
@@ -50,22 +50,6 @@ def packed_call() -> Iterator[None]:
 def packed_mask(*args, **kwargs) -> torch.Tensor | None:
     """transformers' SDPA mask, except inside `packed_call()` where attention does not read a mask."""
     return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
-
-
-def length_buckets(lengths: list[int]) -> list[list[int]]:
-    """Sample indices grouped so that len(bucket) * max_len^2 <= slack * sum(len^2) (sorted by length)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    buckets: list[list[int]] = []
-    area = 0
-    for i in order:
-        n = lengths[i]
-        if buckets and (len(buckets[-1]) + 1) * n * n <= _PAD_SLACK * (area + n * n):
-            buckets[-1].append(i)
-            area += n * n
-        else:
-            buckets.append([i])
-            area = n * n
-    return buckets
 
 
 def _bucket_index(starts: list[int], lengths: list[int], members: list[int], device) -> tuple[torch.Tensor, ...]:
@@ -124,8 +108,6 @@ def packed_sdpa(
     if query.shape[0] != 1:
         raise ValueError(f"attention '{NAME}' with cu_seq_lens_q needs one packed row, got {query.shape[0]}")
     if inflight_layout is not None:  # shared prompts (prefix.py)
-        from inflight.trainer.prefix import shared_sdpa
-
         return shared_sdpa(query, key, value, inflight_layout, dropout, scaling), None
     if dropout == 0.0 and usable(query, key, value):
         return row_attention(query, key, value, _rows(cu_seq_lens_q), scaling), None

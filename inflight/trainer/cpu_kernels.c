@@ -11,7 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "../engine/cpu_math.h"
+#include "../native/cpu_math.h"
 
 static inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;

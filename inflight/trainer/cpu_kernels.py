@@ -1,6 +1,6 @@
 """The trainer's float32 CPU kernels (cpu_kernels.c), forward and backward: built once per machine like the
-engine's (inflight/engine/cpu_kernels.py: same compiler flags, cache folder and INFLIGHT_CPU_KERNELS=0 switch),
-loaded with ctypes. Callers check `usable(...)` and keep their torch path otherwise."""
+engine's (inflight/native/build.py: same compiler flags, cache folder and INFLIGHT_CPU_KERNELS=0 switch), loaded
+with ctypes. Callers check `usable(...)` and keep their torch path otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.engine import cpu_kernels as engine_kernels
+from inflight.native.build import build_and_open
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -27,7 +27,7 @@ _SIGNATURES = {
 
 @functools.cache
 def lib() -> ctypes.CDLL | None:
-    return engine_kernels.build_and_open(SOURCE, _SIGNATURES)
+    return build_and_open(SOURCE, _SIGNATURES)
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -29,8 +29,25 @@ import torch
 import torch.nn.functional as F
 
 from inflight.contracts import TrainBatch
-from inflight.trainer.attention import length_buckets
 from inflight.trainer.row_attention import Rows, row_attention, usable
+
+_PAD_SLACK = 1.25  # a bucket's padded area may exceed its real area by this factor
+
+
+def length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Sample indices grouped so that len(bucket) * max_len^2 <= slack * sum(len^2) (sorted by length)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    buckets: list[list[int]] = []
+    area = 0
+    for i in order:
+        n = lengths[i]
+        if buckets and (len(buckets[-1]) + 1) * n * n <= _PAD_SLACK * (area + n * n):
+            buckets[-1].append(i)
+            area += n * n
+        else:
+            buckets.append([i])
+            area = n * n
+    return buckets
 
 
 @dataclass

@@ -64,7 +64,7 @@ def warm_start(
     log: Callable[[str], None] = tqdm.write,
 ) -> dict[str, Any]:
     """Train until held-out greedy accuracy >= target_acc (or max_steps), save to out_dir, return the metrics."""
-    from inflight.trainer.single import make_trainer
+    from inflight.trainer.factory import make_trainer
 
     if not 0.0 <= wrong_frac < 1.0:
         raise ValueError(f"wrong_frac must be in [0, 1), got {wrong_frac}")

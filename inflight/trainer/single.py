@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from inflight.contracts import LossFn, TrainBatch, TrainEngine
+from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.logprobs import packed_logits, token_logprobs
@@ -180,14 +180,3 @@ class SingleDeviceTrainer:
         self._require_init().save_pretrained(out_dir)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out_dir)
-
-
-def make_trainer(model_path: str, cfg: TrainerConfig) -> TrainEngine:
-    """The backend named by cfg.backend (not yet initialised: call init())."""
-    if cfg.backend == "single":
-        return SingleDeviceTrainer(model_path, cfg)
-    if cfg.backend == "fsdp2":
-        from inflight.trainer.fsdp import FSDP2Trainer
-
-        return FSDP2Trainer(model_path, cfg)
-    raise ValueError(f"trainer.backend must be 'single' or 'fsdp2', got {cfg.backend!r}")

@@ -25,7 +25,6 @@ import concurrent.futures as cf
 import datetime
 import logging
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ import httpx
 import torch
 
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
+from inflight.host import free_port
 
 log = logging.getLogger("inflight.trainer.weight_sync")
 
@@ -58,12 +58,6 @@ class WeightSyncError(RuntimeError):
 
 class ServerAnswered(WeightSyncError):
     """The server answered with an error status: it is alive and has left the request (a broadcast included)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class WeightSyncClient:

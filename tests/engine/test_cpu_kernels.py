@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inflight.engine import cpu_kernels
+from inflight.native import build as native
 from inflight.engine.llama_runner import LlamaRunner
 from inflight.engine.step import StepPlan
 
@@ -28,12 +29,12 @@ def K() -> cpu_kernels.Kernels:
 @pytest.fixture(scope="module")
 def K_portable(K, tmp_path_factory) -> cpu_kernels.Kernels:
     """The same source built without AVX-512 where the host has it: the plain-C paths that other CPUs run."""
-    if "avx512f" not in cpu_kernels._cpu_id():
+    if "avx512f" not in native.cpu_id():
         return K
     so = tmp_path_factory.mktemp("kernels") / "portable.so"
     cc = shutil.which("cc") or shutil.which("gcc")
-    cpu_kernels._build(cc, so, [*cpu_kernels.FLAGS, "-mno-avx512f"])
-    return cpu_kernels.Kernels(cpu_kernels._open(so))
+    native.build(cc, so, cpu_kernels.SOURCE, [*native.FLAGS, "-mno-avx512f"])
+    return cpu_kernels.Kernels(native.open_library(so, cpu_kernels._SIGNATURES))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-6) -> None:

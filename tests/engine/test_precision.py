@@ -151,7 +151,7 @@ def test_bad_precision_is_a_clear_error(sharp_model_dir):
 
 def test_launcher_passes_the_flag():
     from inflight.config import RunConfig, load_config
-    from inflight.pipeline.launcher import server_command
+    from inflight.pipeline.launch_common import server_command
 
     cfg = load_config(RunConfig, None, ["server.generator_precision=int8"])
     argv = server_command(cfg, 0)

@@ -6,9 +6,10 @@ import torch
 from inflight.contracts import TrainEngine
 from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.config import TrainerConfig
+from inflight.trainer.factory import make_trainer
 from inflight.trainer.optim import lr_factor
 from inflight.trainer.packing import count_loss_tokens, pack_samples
-from inflight.trainer.single import SingleDeviceTrainer, make_trainer
+from inflight.trainer.single import SingleDeviceTrainer
 
 from .helpers import ReinforceLoss, random_samples
 

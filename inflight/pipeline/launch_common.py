@@ -1,0 +1,161 @@
+"""What both launchers (local processes: local_launcher.py; Ray actors: ray_launcher.py) share: opening the run
+folder (config checks, resume, saved config), the servers' addresses and command lines, the wait for their /health,
+and the restart limit. It imports neither launcher; `launcher.run_pipeline` picks one by `pipeline.launcher`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inflight.config import save_config
+from inflight.pipeline import checkpoint as ckpt
+from inflight.pipeline.procs import Child
+from inflight.pipeline.supervise import RoleFailed
+
+
+def run_dir_of(cfg: Any) -> Path:
+    return Path(cfg.pipeline.run_dir) / cfg.name
+
+
+def check_config(cfg: Any) -> None:
+    p = cfg.pipeline
+    if p.mode not in ("pipelined", "sync"):
+        raise ValueError(f"pipeline.mode must be 'pipelined' or 'sync', got {p.mode!r}")
+    if p.update_mode not in ("keep", "interrupt"):
+        raise ValueError(f"pipeline.update_mode must be 'keep' or 'interrupt', got {p.update_mode!r}")
+    if p.mode == "sync" and p.num_grad_steps < 1:
+        raise ValueError("pipeline.num_grad_steps must be >= 1")
+    if not (p.max_steps or p.max_samples or p.max_minutes):
+        raise ValueError("set at least one of pipeline.max_steps, max_samples, max_minutes")
+    if p.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
+    if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
+        raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
+    if not Path(cfg.model.path).exists():
+        raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
+
+
+def actor_config_for(cfg: Any) -> Any:
+    """Sync mode is the staleness bound at num_grad_steps - 1 with weights published once per round: the actor
+    then generates exactly one round of groups per published version (see docs/architecture.md)."""
+    if cfg.pipeline.mode == "sync":
+        cfg.actor.max_lag = cfg.pipeline.num_grad_steps - 1
+    return cfg
+
+
+def server_urls(cfg: Any) -> list[str]:
+    if cfg.pipeline.server_urls:
+        return list(cfg.pipeline.server_urls)
+    s = cfg.server
+    return [f"http://{s.host}:{s.base_port + k}" for k in range(s.num_servers)]
+
+
+MAX_RESTARTS = 5  # per server and run: a server that keeps dying is a failure, not a fault to ride out
+
+
+def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = False) -> list[str]:
+    """`inflight serve` for server k; `restart`: the same server behind the weight gate (pipeline/restart.py)."""
+    s = cfg.server
+    entry = ["-m", "inflight.pipeline.restart"] if restart else ["-m", "inflight.cli", "serve"]
+    argv = [sys.executable, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
+            "--port", str(s.base_port + k), "--dtype", s.dtype, "--max-batch", str(s.max_batch),
+            "--max-model-len", str(s.max_model_len), "--max-tokens-per-step", str(s.max_tokens_per_step),
+            "--threads", str(s.threads), *(["--generator-precision", s.generator_precision] if s.generator_precision
+                                              != "float32" else [])]
+    if k < len(cfg.pipeline.server_devices):
+        argv += ["--device", "cuda"]
+    if s.engine != "builtin" and not restart:
+        argv += ["--engine", s.engine]
+    if s.api_key:
+        argv += ["--api-key", s.api_key]
+    return argv
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads > 0 else {}
+
+
+def wait_healthy(urls: list[str], children: list[Child], timeout_s: float, api_key: str = "") -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.time() + timeout_s
+    pending = set(urls)
+    with httpx.Client(timeout=2.0, headers=headers) as http:
+        while pending:
+            for child in children:
+                if child.poll() is not None:
+                    raise RoleFailed(child.name, f"{child.name} exited with code {child.poll()} while starting")
+            for url in list(pending):
+                try:
+                    if http.get(url + "/health").status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            if time.time() > deadline:
+                raise RoleFailed("server", f"servers not healthy after {timeout_s:.0f} s: {sorted(pending)}")
+            time.sleep(0.2)
+
+
+def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.CheckpointState | None]:
+    """What every launcher does first: check the config, find (resume) or start afresh the run folder, and save the
+    resolved config there. Returns (cfg, run_dir, checkpoint folder or None, its state or None)."""
+    check_config(cfg)
+    cfg = actor_config_for(cfg)
+    run_dir = run_dir_of(cfg)
+    resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
+    if not resume:
+        fresh_run_dir(run_dir)
+    save_config(cfg, run_dir)
+    return cfg, run_dir, resume_from, state
+
+
+def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
+    """The newest complete checkpoint of run_dir, checked against cfg; trainer records after it are moved to
+    metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step; it
+    pushes the checkpoint's version again, so that push's record goes too)."""
+    import json
+    import os
+
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    state = ckpt.read_state(path)
+    ckpt.check_compatible(state, cfg)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        keep, gone = [], []
+        for line in metrics.read_text().splitlines(keepends=True):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut by the crash
+            step = r.get("step") or 0
+            # the checkpoint's own push may not have finished (it runs in the background): the resume pushes it again
+            late = str(r.get("role", "")).startswith("trainer") and (
+                step > state.step or (step == state.step and r.get("event") == "weight_push"))
+            (gone if late else keep).append(line)
+        if gone:
+            with open(run_dir / "metrics.rolled_back.jsonl", "a") as f:
+                f.writelines(gone)
+        tmp = metrics.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, metrics)
+    return path, state
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """A run starts from an empty record: old metrics, logs, event files and report of the same name go."""
+    import shutil
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "report.html", "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in ("logs", "tensorboard", "plots"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
