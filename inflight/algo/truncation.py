@@ -5,7 +5,8 @@
     zero_reward   scored as a failure: reward = reward_table["truncated"] (0 unless set), label `truncated`,
                   whatever its text earned; it trains with that reward like any sample.
     soft_penalty  DAPO's soft overlong punishment, on every completion (finished or not):
-                      reward -= overlong_penalty * clip((n - (max_tokens - B)) / B, 0, 1),  B = overlong_buffer * max_tokens
+                      reward -= overlong_penalty * clip((n - (max_tokens - B)) / B, 0, 1)
+                  B = overlong_buffer * max_tokens
                   0 up to max_tokens - B tokens, rising linearly to overlong_penalty at the limit. Label unchanged.
     keep          no special handling: the verifier's reward, trained like any sample (the behaviour before the
                   option existed; for comparison).
