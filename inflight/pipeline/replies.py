@@ -19,6 +19,13 @@ def pick(evals: list[dict], k: int = SHOWN_EVALS) -> list[dict]:
     return [evals[i] for i in idx]
 
 
+def visible(text: str) -> str:
+    """The reply as the model wrote it, with its line breaks and tabs marked (↵, ⇥) and other control characters
+    written as escapes, so trailing junk and whitespace show."""
+    marks = {"\n": "↵\n", "\t": "⇥"}
+    return "".join(marks.get(ch, ch if ch.isprintable() or ch == " " else repr(ch)[1:-1]) for ch in text)
+
+
 def _finish(finish: str) -> str:
     return {"stop": "ended (EOS)", "length": "cut off (max_new_tokens)"}.get(finish, finish)
 
@@ -26,7 +33,7 @@ def _finish(finish: str) -> str:
 def _row(r: dict[str, Any]) -> str:
     cls = "correct" if r.get("label") == "correct" else "cut" if r.get("finish") == "length" else ""
     cells = [f"<td class='reply'>{html.escape(str(r.get('prompt', '')))}</td>",
-             f"<td class='reply'>{html.escape(repr(str(r.get('reply', '')))[1:-1])}</td>",
+             f"<td class='reply'>{html.escape(visible(str(r.get('reply', ''))))}</td>",
              f"<td>{html.escape(str(r.get('tokens', '')))}</td>",
              f"<td>{html.escape(_finish(str(r.get('finish', ''))))}</td>",
              f"<td>{html.escape(str(r.get('label', '')))}</td>"]
@@ -39,8 +46,9 @@ def replies_html(run: Any) -> str:
     title = f"<h2>Held-out replies: {html.escape(run.name)}</h2>"
     if not evals:
         return title + "<p>No replies recorded (actor.eval_samples = 0, or a run from before they were).</p>"
-    parts = [title, "<p>The first held-out problems at a few evaluations. A reply is shown with Python's escapes "
-                    "(\\n, \\t); it counts only when it ended with the end-of-sequence token.</p>"]
+    parts = [title, "<p>The first held-out problems at a few evaluations, each reply as the model wrote it (line "
+                    "breaks and tabs marked ↵ ⇥); a reply counts only when it ended with the end-of-sequence "
+                    "token.</p>"]
     head = "<tr><th>prompt</th><th>reply</th><th>tokens</th><th>ending</th><th>verdict</th></tr>"
     for ev in pick(evals):
         acc = ev.get("accuracy", ev.get("pass@1"))

@@ -69,6 +69,7 @@ def check_lengths(run: Path, steps: list[dict]) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from inflight.pipeline.completions import TruncationAlarm
+    from inflight.pipeline.replies import visible
 
     for r in steps:
         assert 1 <= r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 160
@@ -89,7 +90,7 @@ def check_lengths(run: Path, steps: list[dict]) -> None:
     assert evals and all(len(r["replies"]) == 6 for r in evals)  # actor.eval_samples
     last = evals[-1]["replies"][0]
     assert set(last) == {"prompt", "reply", "finish", "tokens", "label"}
-    assert html.escape(repr(last["reply"])[1:-1]) in report  # model output, escaped
+    assert html.escape(visible(last["reply"])) in report  # model output, escaped
     summary = json.loads((run / "summary.json").read_text())[0]
     assert summary["warnings"] == len(due) and 0 <= summary["truncated_pct_last"] <= 100
 

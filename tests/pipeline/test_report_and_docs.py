@@ -114,8 +114,8 @@ def test_report_shows_lengths_and_escaped_replies(tmp_path):
                     completion_len_mean=6 + 0.3 * k, completion_len_min=4, completion_len_max=12,
                     truncated_frac=cut, eos_frac=1 - cut)
         if k % 3 == 0:
-            replies = [{"prompt": "1+2=", "reply": f"\\boxed{{3}}<script>alert({k})</script> & \n", "finish": "length",
-                        "tokens": 12, "label": "truncated"},
+            replies = [{"prompt": "1+2=", "reply": f"\\boxed{{3}}<script>alert({k})</script> & \n\x1b",
+                        "finish": "length", "tokens": 12, "label": "truncated"},
                        {"prompt": "4+4=", "reply": "\\boxed{8}", "finish": "stop", "tokens": 5, "label": "correct"}]
             actor.log("eval", step=k, trainer_version=k, accuracy=0.5, truncated_frac=cut, replies=replies)
     trainer.log("warning", step=20, kind="truncation", message="cut off")
@@ -123,7 +123,7 @@ def test_report_shows_lengths_and_escaped_replies(tmp_path):
         log.close()
     html = write_report([run]).read_text()
     assert (run / "plots" / "lengths.png").stat().st_size > 1000 and "plots/lengths.png" in html
-    assert "<script>" not in html and "&lt;script&gt;alert(18)&lt;/script&gt; &amp; \\n" in html
+    assert "<script>" not in html and "\\boxed{3}&lt;script&gt;alert(18)&lt;/script&gt; &amp; ↵\n\\x1b" in html
     shown = [k for k in (3, 6, 9, 12, 15, 18) if f"trainer version {k}," in html]
     assert shown == [3, 9, 12, 18]  # the first, the last and evenly spaced ones between
     assert "cut off (max_new_tokens)" in html and "ended (EOS)" in html
