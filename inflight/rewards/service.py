@@ -76,7 +76,7 @@ class RewardService:
         workers: int = 2,
         timeout_s: float = 10.0,
         reward_table: dict[str, float] | None = None,
-        truncated: str = "keep",
+        truncated: str = "zero_reward",  # algo.truncated
         overlong_penalty: float = 1.0,
         overlong_buffer: float = 0.2,
         verify_fn: str | None = None,
