@@ -12,13 +12,20 @@ the spread holds each system's own learning noise. Every run's steps and evaluat
 A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
 threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
 
-Per run: samples/s (samples trained by the last optimizer step / its time on the clock below), seconds and samples
-to the first held-out evaluation >= --target (clock from the moment generation can start: inflight's
-`roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system reached and the mean
-of the evaluations up to it (the learning curve per sample, steadier than one evaluation), and the share of the
-machine's matmul peak: FLOPs the run needed (8 N (P + C) per sample: 2 N per token to generate, 6 N to train, N =
-parameters, P/C = mean prompt/completion tokens) / wall time / torch.mm FLOP/s measured here on all cores (1024^3
-fp32, best of 5, before and after).
+Per run: samples/s (samples trained by the last optimizer step / its time on the clock below; the like-for-like
+figure), seconds and samples to the first held-out evaluation >= --target (clock from the moment generation can
+start: inflight's `roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system
+reached and the mean of the evaluations up to it (the learning curve per sample, steadier than one evaluation), the
+share of training completions cut off by the 12-token limit over the last quarter of the run (a policy that learnt
+not to stop shows there; inflight: `truncated_frac` of its steps, TRL: its `completions/clipped_ratio`), and the
+FLOPs each system executed, per sample and as a share of the machine's matmul peak (torch.mm FLOP/s measured here on
+all cores, 1024^3 fp32, best of 5, before and after). Executed FLOPs count 2 N per token a forward pass runs over
+and 6 N per token of a training forward + backward (N = parameters; attention's own FLOPs, ~2% here, left out):
+  inflight: generation runs a group's prompt once (n=G requests share its prefill) and one forward per completion
+            token but the last: P + sum(C_i - 1) per group; the trainer runs a group's prompt once per micro-batch
+            and skips zero-advantage samples (its `trainer_tokens`);
+  TRL:      HF `generate` on the left-padded batch of 128: 128 x (P_max + C_max - 1) tokens; training on the same
+            padded batch: 128 x (P_max + C_max), C_max from its logged completions/max_length.
 
 Evaluation: every 10 steps, greedy on the same 200 held-out problems with HF `generate`
 (bench/peers/arith_eval.py), off the clock for both: TRL evaluates in its loop and subtracts the seconds; inflight
@@ -152,13 +159,15 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
     recs = [json.loads(line) for line in open(run_dir / name / "metrics.jsonl")]
     t0 = next(r["time"] for r in recs if r.get("event") == "roles_started")
     train = [r for r in recs if r.get("event") == "train_step"]
-    steps = [(r["time"] - t0, r["samples_total"], r["tokens"] / max(1, r["samples"])) for r in train]
+    # (time, samples trained, tokens generated through a forward, tokens trained through forward+backward, cut off)
+    steps = [(r["time"] - t0, r["samples_total"], r["prompt_tokens"] + r["completion_tokens"] - r["samples"],
+              r["trainer_tokens"], r["truncated_frac"]) for r in train]
     ckpts = run_dir / name / "checkpoints"
     if eval_on == "servers":
         evals = []
         for r in recs:
             if r.get("event") == "eval" and r.get("accuracy") is not None:
-                done = [s for t, s, _ in steps if t <= r["time"] - t0]
+                done = [s for t, s, *_ in steps if t <= r["time"] - t0]
                 evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
         (final_hf,) = hf_accuracies([ckpts / "final"])
     else:
@@ -173,7 +182,7 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
 
 
 def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
-            threads: int, lr: float, seed: int) -> dict:
+            threads: int, lr: float, seed: int, prompt_max: int) -> dict:
     out = run_dir / f"peers-trl{threads}-{tag}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
@@ -182,24 +191,34 @@ def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: i
     sh(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads),
                                                                         "TOKENIZERS_PARALLELISM": "false"})
     recs = [json.loads(line) for line in open(out)]
-    lens = [r["mean_length"] for r in recs if r["event"] == "log" and r.get("mean_length")]
-    clen = statistics.mean(lens) if lens else 12.0
-    steps = [(r["time"], r["samples"], clen) for r in recs if r["event"] == "step"]
+    logs = [r for r in recs if r["event"] == "log" and r.get("max_length") is not None]
+
+    def covering(step: int) -> dict:
+        """The log whose window (the logging_steps before it) holds this step; past the last, the last one."""
+        return next((g for g in logs if g["step"] >= step), logs[-1] if logs else {"max_length": 12.0})
+
+    steps = []
+    for r in (r for r in recs if r["event"] == "step"):
+        g, b = covering(r["step"]), 128
+        width = prompt_max + g["max_length"]  # the padded batch generate and the training pass run over
+        steps.append((r["time"], r["samples"], b * (width - 1), b * width, g.get("clipped_ratio")))
     evals = [(r["time"], r["samples"], r["accuracy"]) for r in recs if r["event"] == "eval"]
     return {"steps": steps, "evals": evals, "final_hf": evals[-1][2] if evals else None, "cmd": shlex.join(cmd)}
 
 
-def summarise(run: dict, target: float, flops_per_token: float, prompt_len: float, peak: float) -> dict:
+def summarise(run: dict, target: float, n_params: int, peak: float) -> dict:
     steps, evals = run["steps"], run["evals"]
-    t_b, s_b, _ = steps[-1]
+    t_b, s_b = steps[-1][:2]
     # from the start, not from the first step: sync mode trains in bursts of num_grad_steps after each round
     rate = s_b / max(t_b, 1e-9)
-    clen = statistics.mean(c for _, _, c in steps)
+    flops = sum(2.0 * n_params * gen + 6.0 * n_params * train for _, _, gen, train, _ in steps)
+    late = [c for *_, c in steps[-max(1, len(steps) // 4):] if c is not None]
     hit = next(((t, s) for t, s, a in evals if a >= target), None)
     return {"samples_per_s": rate, "samples": s_b, "wall_s": t_b, "to_target_s": hit[0] if hit else None,
             "to_target_samples": hit[1] if hit else None, "first_acc": evals[0][2] if evals else None,
             "best_acc": max(a for _, _, a in evals) if evals else None, "final_hf": run["final_hf"],
-            "mfu": rate * flops_per_token * (prompt_len + clen) / peak, "evals": evals}
+            "flops_per_sample": flops / max(s_b, 1), "mfu": flops / max(t_b, 1e-9) / peak,
+            "truncated_late": statistics.mean(late) if late else None, "evals": evals}
 
 
 def acc_at(evals: list, samples: float) -> float | None:
@@ -215,12 +234,12 @@ def mean_acc_to(evals: list, samples: float) -> float | None:
     return statistics.mean(accs) if accs else None
 
 
-def fmt(vals: list, spec: str, scale: float = 1.0) -> str:
+def fmt(vals: list, spec: str, scale: float = 1.0, unit: str = "") -> str:
     vals = [v * scale for v in vals if v is not None]
     if not vals:
         return "not reached"
     med = statistics.median(vals)
-    return f"{med:{spec}}" + (f" ({min(vals):{spec}}-{max(vals):{spec}})" if len(vals) > 1 else "")
+    return f"{med:{spec}}{unit}" + (f" ({min(vals):{spec}}-{max(vals):{spec}})" if len(vals) > 1 else "")
 
 
 def main() -> None:
@@ -261,8 +280,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     tok, task = AutoTokenizer.from_pretrained(args.model), arith_task()
-    prompt_len = statistics.mean(len(tok.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=False)) for s in task.eval_samples())
+    prompt_lens = [len(tok.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for s in task.eval_samples()]
     from safetensors import safe_open
 
     with safe_open(str(args.model / "model.safetensors"), "pt") as f:
@@ -277,7 +296,7 @@ def main() -> None:
             tag = f"r{r}"
             kind, *extra = system.split(":")
             res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir,
-                           int(extra[0]) if extra else args.trl_threads, args.lr, seed=r)
+                           int(extra[0]) if extra else args.trl_threads, args.lr, seed=r, prompt_max=max(prompt_lens))
                    if kind == "trl" else
                    run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra,
                                 args.lr, args.inflight_eval, seed=r))
@@ -287,15 +306,16 @@ def main() -> None:
                   flush=True)
     peaks.append(mm_peak(os.cpu_count() or 1))
     peak = statistics.median(peaks)
-    per_token = 8.0 * n_params
-    table = {s: [summarise(x, args.target, per_token, prompt_len, peak) for x in runs[s]] for s in systems}
+    table = {s: [summarise(x, args.target, n_params, peak) for x in runs[s]] for s in systems}
     common = min(x["samples"] for rs in table.values() for x in rs)
-    print(f"\nparameters {n_params:,}; mean prompt {prompt_len:.1f} tokens; torch.mm peak "
+    print(f"\nparameters {n_params:,}; prompts {statistics.mean(prompt_lens):.1f} tokens (max {max(prompt_lens)}); "
+          f"torch.mm peak "
           f"{peak / 1e9:.1f} GFLOP/s (runs: {', '.join(f'{p / 1e9:.1f}' for p in peaks)}); target accuracy "
           f"{args.target:.0%}; {args.repeats} repeat(s) x {args.minutes} min; median (min-max)")
     head = ["system", "samples/s", "vs TRL", "samples trained", f"s to {args.target:.0%}",
             f"samples to {args.target:.0%}", "acc at start", f"acc at {common} samples",
-            f"mean acc to {common} samples", "best acc", "final acc (HF eval)", "matmul peak share"]
+            f"mean acc to {common} samples", "best acc", "final acc (HF eval)", "cut off (last quarter)",
+            "executed MFLOP/sample", "matmul peak share (executed)"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     trls = [s for s in table if s.startswith("trl")]  # the baseline: the fastest TRL setting that ran
     trl_rate = max(statistics.median(x["samples_per_s"] for x in table[s]) for s in trls) if trls else None
@@ -308,7 +328,9 @@ def main() -> None:
                  fmt([acc_at(x["evals"], common) for x in rs], ".1f", 100),
                  fmt([mean_acc_to(x["evals"], common) for x in rs], ".1f", 100),
                  fmt([x["best_acc"] for x in rs], ".1f", 100), fmt([x["final_hf"] for x in rs], ".1f", 100),
-                 fmt([x["mfu"] for x in rs], ".2f", 100) + "%"]
+                 fmt([x["truncated_late"] for x in rs], ".1f", 100, "%"),
+                 fmt([x["flops_per_sample"] for x in rs], ".1f", 1e-6),
+                 fmt([x["mfu"] for x in rs], ".2f", 100, "%")]
         print("| " + " | ".join(cells) + " |")
     print("\ncommands:")
     for s, c in cmds.items():

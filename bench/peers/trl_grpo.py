@@ -89,8 +89,9 @@ def main() -> None:
             self.evaluate(0, model)
 
         def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
+            if logs and "completions/mean_length" in logs:  # means over the logging_steps since the last log
                 emit(event="log", step=state.global_step, mean_length=logs["completions/mean_length"],
+                     max_length=logs.get("completions/max_length"), clipped_ratio=logs.get("completions/clipped_ratio"),
                      reward=logs.get("reward"))
 
         def on_step_end(self, a, state, control, model=None, **kw):

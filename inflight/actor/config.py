@@ -19,6 +19,7 @@ class ActorConfig:
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     eval_temperature: float = 0.0
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
+    eval_samples: int = 6  # held-out replies (the first problems) recorded per evaluation, shown in the report
     eval_priority: int = 1  # built-in servers start waiting rollouts (priority 0) before evaluation requests
     # requests carry min_weight_version (the oldest weights the staleness bound allows), which inflight's servers
     # honour by holding the request until they have it; the trainer then publishes a version as soon as it is
@@ -29,7 +30,6 @@ class ActorConfig:
     queue_ahead: int = 1  # gated: steps of groups sent beyond the staleness bound, held by the servers (0 = none)
     reward_timeout_s: float = 10.0
     reward_workers: int = 2
-    overlong_penalty: float = 0.0
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
     max_failed_in_a_row: int = 50  # this many groups failing one after another stop the actor (0 = never)
 

@@ -1,5 +1,7 @@
 """Held-out evaluation through the same inference servers: one sample per problem (greedy by default), pass@1 and
-mean reward, tagged with the weight version(s) whose tokens were scored."""
+mean reward, tagged with the weight version(s) whose tokens were scored, with the replies' lengths and the first
+few replies as text (the report shows them). Only a finished reply counts as correct: one the length limit cut off
+is `truncated` here whatever its text, in every `algo.truncated` mode."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.server_pool import ServerPool
-from inflight.contracts import Task, TaskSample, Verification
+from inflight.algo.truncation import is_truncated
+from inflight.contracts import Task, TaskSample, Verdict, Verification
 
 
 async def _verify_all(task: Task, items: list[tuple[str, TaskSample, str, int, int]]) -> list[Verification]:
@@ -29,8 +32,10 @@ async def evaluate(
     limit: int = 0,  # 0 = the whole held-out split
 ) -> dict[str, Any]:
     """Returns {"pass@1", "mean_reward", "num_problems", "num_failed", "labels", "version_min", "version_max",
-    "seconds"}; version_min/max span the weight versions of every scored token (equal when no update happened
-    during the evaluation). Problems whose request failed count as wrong (reward 0) and in num_failed."""
+    "completion_len_mean", "completion_len_max", "truncated_frac", "replies", "seconds"}; version_min/max span the
+    weight versions of every scored token (equal when no update happened during the evaluation); `replies` holds
+    the first `cfg.eval_samples` problems' prompt, reply, finish reason, token count and label. Problems whose
+    request failed count as wrong (reward 0) and in num_failed."""
     problems = task.eval_samples()
     if limit:
         problems = problems[:limit]
@@ -53,8 +58,12 @@ async def evaluate(
     ok = [(c, ts) for c, ts in zip(outs, problems) if c is not None]
     items = [(c.text, ts, c.finish_reason, len(c.token_ids), max_tokens) for c, ts in ok]
     verdicts = await (rewards.score(items) if rewards is not None else _verify_all(task, items)) if items else []
-    labels = Counter(getattr(v.label, "value", str(v.label)) for v in verdicts)
+    # finished replies only: a cut-off one is never correct here, whatever the training's truncation mode
+    names = [Verdict.truncated.value if is_truncated(c.finish_reason) else getattr(v.label, "value", str(v.label))
+             for (c, _), v in zip(ok, verdicts)]
+    labels = Counter(names)
     versions = [v for c, _ in ok for v in c.versions]
+    lengths = [len(c.token_ids) for c, _ in ok]
     n = len(problems)
     return {
         "pass@1": labels.get("correct", 0) / n,
@@ -64,5 +73,11 @@ async def evaluate(
         "labels": dict(labels),
         "version_min": min(versions) if versions else -1,
         "version_max": max(versions) if versions else -1,
+        "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "completion_len_max": max(lengths, default=0),
+        "truncated_frac": sum(is_truncated(c.finish_reason) for c, _ in ok) / max(1, len(ok)),
+        "replies": [{"prompt": ts.messages[-1]["content"], "reply": c.text, "finish": c.finish_reason,
+                     "tokens": len(c.token_ids), "label": label}
+                    for (c, ts), label in list(zip(ok, names))[: cfg.eval_samples]],
         "seconds": time.monotonic() - t0,
     }

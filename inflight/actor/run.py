@@ -41,9 +41,10 @@ def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
 def make_rewards(run_cfg: Any) -> Any:
     from inflight.rewards import RewardService
 
-    a = run_cfg.actor
+    a, algo = run_cfg.actor, run_cfg.algo
     return RewardService(run_cfg.task, workers=a.reward_workers, timeout_s=a.reward_timeout_s,
-                         overlong_penalty=a.overlong_penalty)
+                         truncated=algo.truncated, overlong_penalty=algo.overlong_penalty,
+                         overlong_buffer=algo.overlong_buffer)
 
 
 async def _close(obj: Any) -> None:

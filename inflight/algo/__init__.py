@@ -1,7 +1,21 @@
-"""Advantages and RL losses: `compute_advantages(rewards, cfg)`, `make_loss(cfg) -> LossFn`, `lag_stats`."""
+"""Advantages and RL losses: `compute_advantages(rewards, cfg)`, `make_loss(cfg) -> LossFn`, `lag_stats`; what
+training does with truncated completions (`truncation`).
 
-from inflight.algo.advantages import compute_advantages
-from inflight.algo.config import AlgoConfig
-from inflight.algo.losses import LOSSES, NORMALIZATIONS, lag_stats, make_loss, merge_stats
+The names load on first use: the actor and the reward service import `inflight.algo.truncation` without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {"compute_advantages": "advantages", "AlgoConfig": "config", "LOSSES": "losses", "NORMALIZATIONS": "losses",
+          "lag_stats": "losses", "make_loss": "losses", "merge_stats": "losses"}
 
 __all__ = ["AlgoConfig", "LOSSES", "NORMALIZATIONS", "compute_advantages", "lag_stats", "make_loss", "merge_stats"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"inflight.algo.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'inflight.algo' has no attribute {name!r}")

@@ -17,3 +17,6 @@ class AlgoConfig:
     kl_coef: float = 0.0  # reference-model KL
     kl_clamp: float = 10.0
     entropy_coef: float = 0.0
+    truncated: str = "zero_reward"  # a completion cut off by max_new_tokens: mask | zero_reward | soft_penalty | keep
+    overlong_penalty: float = 1.0  # soft_penalty: reward taken off at the length limit (DAPO)
+    overlong_buffer: float = 0.2  # soft_penalty: share of max_new_tokens over which the penalty rises to it

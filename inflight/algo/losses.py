@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from inflight.algo import truncation
 from inflight.algo.config import AlgoConfig
 from inflight.contracts import LossFn, TrainBatch
 
@@ -137,6 +138,7 @@ def _check_cfg(cfg: AlgoConfig) -> None:
     for name in ("behaviour_cap", "aipo_rho"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"algo.{name} must be > 0, got {getattr(cfg, name)}")
+    truncation.check(cfg.truncated, cfg.overlong_penalty, cfg.overlong_buffer)
 
 
 def _check_batch(logprobs: torch.Tensor, batch: TrainBatch, cfg: AlgoConfig, entropy: torch.Tensor | None) -> None:

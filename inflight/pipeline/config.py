@@ -31,4 +31,6 @@ class PipelineConfig:
     startup_timeout_s: float = 180.0  # wait this long for every server's /health
     scrape_every_s: float = 2.0  # how often the launcher reads each server's /metrics
     progress: bool = True  # live progress line in the terminal
+    warn_truncated_frac: float = 0.5  # warn (log + "warning" event) when more than this share is cut off by the limit
+    warn_truncated_steps: int = 20  # ... for this many steps in a row (0 = never)
     log_tail_lines: int = 15  # lines of a failed role's log printed on failure

@@ -52,8 +52,12 @@ def result_line(summary: dict) -> str:
     def pct(key: str) -> str:
         return "n/a" if summary.get(key) is None else f"{summary[key]:.1f}%"
 
-    return (f"demo: held-out accuracy {pct('first_accuracy')} -> {pct('last_accuracy')} "
+    line = (f"demo: held-out accuracy {pct('first_accuracy')} -> {pct('last_accuracy')} "
             f"(best {pct('best_accuracy')}) in {summary['wall_s']} s of RL")
+    if summary.get("truncated_pct_last") is not None:  # a policy that learnt not to stop shows here
+        line += (f"; at the end {summary['completion_len_last']:.1f} tokens per completion, "
+                 f"{pct('truncated_pct_last')} cut off by max_new_tokens")
+    return line
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import lag_stats, merge_stats
+from inflight.algo.truncation import trains
+from inflight.pipeline.completions import completion_stats
 from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
@@ -75,7 +77,9 @@ class DistributedTrainerLoop(TrainerLoop):
         acc = StepAccumulator(self.engine, self.loss_fn, self.cfg.trainer.micro_batch_tokens, n_seq, None,
                               temperature=self.cfg.actor.temperature, merge=merge_stats)
         advs = adv_mod.compute_advantages([[s.reward for s in g] for g in mine], self.cfg.algo) if mine else []
-        acc.add([s for g in mine for s in g], [a for adv in advs for a in adv])
+        # algo.truncated=mask: truncated samples count in their group's baseline and in n_seq, never in the loss
+        kept = [(s, a) for g, adv in zip(mine, advs) for s, a in zip(g, adv) if trains(s, self.cfg.algo.truncated)]
+        acc.add([s for s, _ in kept], [a for _, a in kept])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step
         version = self.engine.version
         t_train = time.time() - t0 - wait_s
@@ -92,18 +96,21 @@ class DistributedTrainerLoop(TrainerLoop):
         if self.rank != 0:
             return {}
         self.stream.ack(self.stream.consumed - len(self.order))
-        n_tok = count_loss_tokens(samples)
+        n_tok = count_loss_tokens([s for s in samples if trains(s, self.cfg.algo.truncated)])
         record = {
             "loss": stats.get("loss"), "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
             **lag_stats(samples, version - 1), **version_mix(samples),
             "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
             "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,
+            **completion_stats(samples),
+            "masked_samples": sum(not trains(s, self.cfg.algo.truncated) for s in samples),
             "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_s,
             "step_s": time.time() - t0, "tokens_per_s": n_tok / max(t_train, 1e-9),
             "published_version": self.published_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
         self.log.log("train_step", step=version, **record)
+        self.warn_truncation(version, record["truncated_frac"])
         return record
 
     def checkpoint(self, final: bool = False):

@@ -1,4 +1,5 @@
-"""Live progress line in the terminal (tqdm): step, samples/s, reward, held-out accuracy, lag, paused share.
+"""Live progress line in the terminal (tqdm): step, samples/s, reward, held-out accuracy, lag, completions cut off by
+the length limit (trunc), paused share.
 It reads what the roles append to metrics.jsonl, so it shows exactly what the run records."""
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Progress:
                 el = max(r.get("elapsed_s") or 1e-9, 1e-9)
                 self.state.update(reward=f"{r.get('reward_mean', 0):.2f}", lag=f"{r.get('lag_max', 0):.0f}",
                                   sps=f"{r.get('samples_total', 0) / el:.0f}")
+                if r.get("truncated_frac") is not None:
+                    self.state["trunc"] = f"{100 * r['truncated_frac']:.0f}%"
             elif ev == "eval" and r.get("accuracy") is not None:
                 self.state["acc"] = f"{100 * r['accuracy']:.1f}%"
         bar = self._bar()

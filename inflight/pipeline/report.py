@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from inflight.pipeline.metrics import read_metrics
+from inflight.pipeline.replies import replies_html
 
-PLOTS = ("accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer")
+PLOTS = ("accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer")
 
 
 class Run:
@@ -62,6 +63,15 @@ def _eval_points(run: Run) -> tuple[list[float], list[float], list[float]]:
     return ts, samples, acc
 
 
+def late_mean(steps: list[dict], key: str, share: float = 0.1) -> float | None:
+    """Mean of `key` over the last `share` of the steps that logged it (at least one step)."""
+    vals = [float(r[key]) for r in steps if r.get(key) is not None]
+    if not vals:
+        return None
+    tail = vals[-max(1, round(share * len(vals))):]
+    return sum(tail) / len(tail)
+
+
 def summary(run: Run) -> dict[str, Any]:
     steps = run.events("train_step")
     evals = _eval_points(run)[2]
@@ -79,6 +89,10 @@ def summary(run: Run) -> dict[str, Any]:
         "best_accuracy": max(evals) if evals else None,
         "lag_max": max(lag) if lag else None,
         "mixed_version_samples": sum(r.get("mixed_version_samples", 0) for r in steps),
+        # the last 10% of the steps: a policy that learnt not to stop shows here first
+        "completion_len_last": late_mean(steps, "completion_len_mean"),
+        "truncated_pct_last": None if (t := late_mean(steps, "truncated_frac")) is None else 100.0 * t,
+        "warnings": len(run.events("warning")),
     }
 
 
@@ -101,6 +115,19 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
             axes[1].plot(*run.series("train_step", "reward_mean", x="samples_total"), label=run.name)
             axes[0].set(xlabel="wall time (s)", ylabel="mean training reward")
             axes[1].set(xlabel="samples trained", ylabel="mean training reward")
+        elif name == "lengths":
+            x, mean = run.series("train_step", "completion_len_mean", x="step")
+            line = axes[0].plot(x, mean, label=f"{run.name} mean")[0]
+            lo, hi = run.series("train_step", "completion_len_min", x="step")[1], run.series(
+                "train_step", "completion_len_max", x="step")[1]
+            if len(lo) == len(hi) == len(x):
+                axes[0].fill_between(x, lo, hi, alpha=0.15, color=line.get_color(), label=f"{run.name} min-max")
+            axes[0].set(xlabel="trainer step", ylabel="completion length (tokens)")
+            xt, tr = run.series("train_step", "truncated_frac", x="step")
+            axes[1].plot(xt, [100 * v for v in tr], label=f"{run.name} cut off by max_new_tokens")
+            xe, eos = run.series("train_step", "eos_frac", x="step")
+            axes[1].plot(xe, [100 * v for v in eos], ls="--", label=f"{run.name} ended with EOS")
+            axes[1].set(xlabel="trainer step", ylabel="share of completions (%)", ylim=(-3, 103))
         elif name == "lag_hist":
             lag = Counter()
             for r in run.events("train_step"):
@@ -147,6 +174,7 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
 TITLES = {
     "accuracy": "Held-out accuracy vs wall time and vs samples",
     "reward": "Training reward vs wall time and vs samples",
+    "lengths": "Completion lengths and endings per trainer step",
     "lag_hist": "Policy lag of trained tokens",
     "server_throughput": "Inference servers: tokens/s and batch occupancy",
     "pause": "Time paused per weight update",
@@ -171,11 +199,14 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         png = _plot(name, runs, plots)
         body.append(f"<h2>{TITLES[name]}</h2><img src='plots/{png.name}'>")
     for run in runs:
+        body.append(replies_html(run))
+    for run in runs:
         cfg = run.dir / "config.yaml"
         if cfg.exists():
             body.append(f"<h2>config: {html.escape(run.name)}</h2><pre>{html.escape(cfg.read_text())}</pre>")
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:3px 8px}img{max-width:100%}")
+             "td,th{border:1px solid #ccc;padding:3px 8px}img{max-width:100%}"
+             "td.reply{font-family:monospace;white-space:pre-wrap}.correct{background:#e6f4e6}.cut{background:#fbe9e7}")
     path = out / "report.html"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>inflight report</title>"
                     f"<style>{style}</style></head><body>{''.join(body)}</body></html>")

@@ -10,6 +10,11 @@ Exactly `groups_per_step` groups make one optimizer step, oldest first (the stre
 packed and back-propagated while the step's groups are still arriving, except for token normalisation, which needs
 the step's token count first.
 
+Completions cut off by the length limit are handled per `algo.truncated` (inflight/algo/truncation.py): under `mask`
+they are left out of the backward and of the token count, while their rewards still count in their groups'
+baselines and the sequence count (`sequences` normalisation) still counts them. Every step logs completion lengths
+and endings (pipeline/completions.py) and warns when the truncated share stays high.
+
 Samples whose advantage is exactly 0 are not back-propagated when the loss has no KL or entropy term: every policy
 loss here multiplies its per-token term by A, so their gradient is exactly 0, and the denominators count the whole
 step either way (the gradient is the same, the work is not: at 80% accuracy most groups are all right). The loss
@@ -34,8 +39,10 @@ from typing import Any
 
 from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import lag_stats, make_loss, merge_stats
+from inflight.algo.truncation import trains
 from inflight.contracts import Group, Sample
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
+from inflight.pipeline.completions import TruncationAlarm, completion_stats
 from inflight.pipeline.ordering import StartOrder
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 
@@ -52,7 +59,9 @@ class StepData:
     advantages: list[float] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
     skipped: list[int] = field(default_factory=list)  # zero-advantage samples left out of the backward
+    masked: list[int] = field(default_factory=list)  # truncated samples left out of the loss (algo.truncated=mask)
     trained: int = 0  # samples back-propagated
+    forward_tokens: int = 0  # tokens the forward/backward ran over (a shared prompt once per micro-batch)
     groups: int = 0
     rewards: list[float] = field(default_factory=list)
 
@@ -64,6 +73,15 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
     starts = [s.meta.get("start_version") for s in samples if s.meta.get("start_version") is not None]
     return {"mixed_version_samples": float(mixed), "mixed_version_frac": mixed / max(1, len(samples)),
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
+
+
+def forward_tokens(samples: list[Sample], share_prompts: bool) -> int:
+    """Tokens one micro-batch of these samples runs through the model: with shared prompts (trainer/prefix.py)
+    each distinct prompt once plus every completion, else every token of every sample."""
+    if not share_prompts:
+        return sum(len(s) for s in samples)
+    prompts = {tuple(s.prompt_ids) for s in samples}
+    return sum(len(p) for p in prompts) + sum(len(s.completion_ids) for s in samples)
 
 
 @dataclass
@@ -88,6 +106,7 @@ class TrainerLoop:
         self.ref_engine = ref_engine
         self.loss_fn = make_loss(cfg.algo)
         self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
+        self.alarm = TruncationAlarm(cfg.pipeline.warn_truncated_frac, cfg.pipeline.warn_truncated_steps)
         self.samples_trained = 0
         self.started = time.time()
         self.published_version = 0
@@ -153,10 +172,11 @@ class TrainerLoop:
         return time.time() - tw
 
     # -- one optimizer step -------------------------------------------------------------------------------------
-    def _micro_batch(self, data: StepData, idx: list[int], n_seq: int, n_tok: int):
+    def _micro_batch(self, data: StepData, idx: list[int], n_seq: int, n_tok: int, trained: list[bool] | None = None):
         s = [data.samples[i] for i in idx]
         a = [data.advantages[i] for i in idx]
-        batch = collate(s, a, n_seq, n_tok, temperature=self.cfg.actor.temperature)
+        batch = collate(s, a, n_seq, n_tok, temperature=self.cfg.actor.temperature, trained=trained)
+        data.forward_tokens += forward_tokens(s, getattr(self.engine, "share_prompts", False))
         if self.cfg.algo.loss == "decoupled_ppo":  # pi_prox: weights before this step (unchanged until the step)
             batch.prox_logprobs = self.engine.forward_logprobs(batch)
         if self.ref_engine is not None:
@@ -165,10 +185,13 @@ class TrainerLoop:
 
     def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list) -> None:
         """Back-propagate the pending samples' full micro-batches (all of them when final)."""
-        if final and not data.trained and not data.pending and data.skipped:
-            # one sample (its gradient is 0) so that every parameter has a gradient: the optimizer step is then
-            # the same as with every sample trained (AdamW skips parameters without one)
-            data.pending.append(min(data.skipped, key=lambda i: len(data.samples[i])))
+        if final and not data.trained and not data.pending and (data.skipped or data.masked):
+            # one sample with nothing trained (gradient 0) so that every parameter has a gradient: the optimizer
+            # step is then the same as with every sample trained (AdamW skips parameters without one)
+            stand_in = min(data.skipped + data.masked, key=lambda i: len(data.samples[i]))
+            stats.append(self.engine.backward(self._micro_batch(data, [stand_in], n_seq, n_tok, [False]),
+                                              self.loss_fn))
+            return
         budget = self.cfg.trainer.micro_batch_tokens
         lengths = [len(data.samples[i]) for i in data.pending]
         if not final and sum(lengths) < budget:
@@ -186,9 +209,15 @@ class TrainerLoop:
 
     def _add_groups(self, data: StepData, groups: list[Group]) -> None:
         rewards = [[s.reward for s in g] for g in groups]
+        mode = self.cfg.algo.truncated
         for g, adv in zip(groups, adv_mod.compute_advantages(rewards, self.cfg.algo), strict=True):
             for s, a in zip(g, adv, strict=True):
-                (data.skipped if a == 0.0 and self.skip_zero_advantage else data.pending).append(len(data.samples))
+                if not trains(s, mode):
+                    data.masked.append(len(data.samples))
+                elif a == 0.0 and self.skip_zero_advantage:
+                    data.skipped.append(len(data.samples))
+                else:
+                    data.pending.append(len(data.samples))
                 data.samples.append(s)
                 data.advantages.append(float(a))
                 data.rewards.append(s.reward)
@@ -209,7 +238,8 @@ class TrainerLoop:
             self._add_groups(data, groups)
             if incremental:
                 self._run(data, False, n_seq, 0, stats)
-        n_tok = count_loss_tokens(data.samples)
+        masked = set(data.masked)
+        n_tok = count_loss_tokens([s for i, s in enumerate(data.samples) if i not in masked])
         self._run(data, True, n_seq, n_tok, stats)
         tw = time.time()
         self.settle_push(block=True)  # the optimizer writes the weights the previous push may still be reading
@@ -237,14 +267,22 @@ class TrainerLoop:
                                                if "group_index" in s.meta})],  # the prompt of each group index
             "reward_mean": sum(data.rewards) / len(data.rewards),
             "samples": len(data.samples), "samples_total": self.samples_trained,
+            **completion_stats(data.samples), "masked_samples": len(data.masked),
             "tokens": n_tok, "micro_batches": len(stats), "trained_samples": data.trained,
+            "trainer_tokens": data.forward_tokens,
             "wait_s": wait_s, "train_s": t_train, "push_wait_s": push_wait_s, "step_s": step_s,
             "tokens_per_s": n_tok / max(t_train, 1e-9), "published_version": self.published_version,
             "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
         self.log.log("train_step", step=version, **record)
+        self.warn_truncation(version, record["truncated_frac"])
         return record
+
+    def warn_truncation(self, step: int, truncated_frac: float) -> None:
+        msg = self.alarm.update(truncated_frac)
+        if msg:
+            self.log.log("warning", step=step, kind="truncation", message=msg)
 
     # -- weights to the servers, in the background ------------------------------------------------------------------
     def publish(self, version: int) -> None:

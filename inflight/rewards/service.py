@@ -1,18 +1,19 @@
 """RewardService: scores completions with the task's `verify`, off the event loop, in killable worker processes.
 
-    rewards = RewardService(cfg.task, workers=2, timeout_s=10.0, overlong_penalty=0.5)
+    rewards = RewardService(cfg.task, workers=2, timeout_s=10.0, truncated="soft_penalty", overlong_penalty=0.5)
     verdicts = await rewards.score([(text, task_sample, finish_reason, num_tokens, max_tokens), ...])
 
 Failures: a verifier that raises, crashes its process, or runs past `timeout_s` gives the `error` label (reward
 `reward_table["error"]`, 0 by default) and a log line; a hung or dead worker is killed and replaced, so later
 calls work as before. `error` rather than `no_answer`: the completion may well hold an answer; the verifier failed.
 
-Reward of one completion = base - overlong penalty, where
-  base    = reward_table[label] for the labels the table names, else the verifier's own reward (the built-in tasks
-            give correct 1, anything else 0; reasoning-gym may give partial credit);
-  penalty = overlong_penalty * clip((num_tokens - (max_tokens - B)) / B, 0, 1),  B = overlong_buffer * max_tokens
-            (DAPO's soft overlong punishment: 0 up to max_tokens - B, rising linearly to overlong_penalty at
-            max_tokens; applied to every label). The label is never changed by the penalty.
+Reward of one completion = reward_table[label] for the labels the table names, else the verifier's own reward (the
+built-in tasks give correct 1, anything else 0; reasoning-gym may give partial credit); then the truncation mode
+(`algo.truncated`, inflight/algo/truncation.py) for a completion cut off by the length limit:
+  zero_reward   label `truncated`, reward reward_table["truncated"] (0 unless set);
+  soft_penalty  minus overlong_penalty * clip((num_tokens - (max_tokens - B)) / B, 0, 1), B = overlong_buffer *
+                max_tokens, on every completion (DAPO's soft overlong punishment); the label is never changed;
+  mask, keep    the reward as above (`mask` acts in the trainer).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from inflight.algo import truncation
 from inflight.contracts import TaskSample, Verdict, Verification
 from inflight.rewards.pool import KillablePool, log
 from inflight.tasks.config import TaskConfig
@@ -74,23 +76,22 @@ class RewardService:
         workers: int = 2,
         timeout_s: float = 10.0,
         reward_table: dict[str, float] | None = None,
-        overlong_penalty: float = 0.0,
+        truncated: str = "zero_reward",  # algo.truncated
+        overlong_penalty: float = 1.0,
         overlong_buffer: float = 0.2,
         verify_fn: str | None = None,
         start_timeout_s: float = 120.0,
     ):
         if workers < 1 or timeout_s <= 0:
             raise ValueError(f"need workers >= 1 and timeout_s > 0 (got {workers}, {timeout_s})")
-        if overlong_penalty < 0 or not 0 < overlong_buffer <= 1:
-            raise ValueError(
-                f"need overlong_penalty >= 0 and 0 < overlong_buffer <= 1 (got {overlong_penalty}, {overlong_buffer})"
-            )
+        truncation.check(truncated, overlong_penalty, overlong_buffer)
         table = {str(getattr(k, "value", k)): float(v) for k, v in (reward_table or {}).items()}
         unknown = set(table) - {v.value for v in Verdict}
         if unknown:
             raise ValueError(f"reward_table has unknown labels {sorted(unknown)}; labels: {[v.value for v in Verdict]}")
         self.task_cfg, self.workers, self.timeout_s = task_cfg, workers, timeout_s
-        self.reward_table, self.overlong_penalty, self.overlong_buffer = table, overlong_penalty, overlong_buffer
+        self.reward_table, self.truncated = table, truncated
+        self.overlong_penalty, self.overlong_buffer = overlong_penalty, overlong_buffer
         self.verify_fn, self.start_timeout_s = verify_fn, start_timeout_s
         self.stats: collections.Counter[str] = collections.Counter()  # calls, and timeout / crashed / raised
         self._pool: KillablePool | None = None
@@ -130,14 +131,18 @@ class RewardService:
 
     # ---- rewards ----
     def penalty(self, num_tokens: int, max_tokens: int) -> float:
-        if self.overlong_penalty == 0 or max_tokens <= 0:
+        """The soft overlong penalty of a completion of num_tokens (0 unless truncated="soft_penalty")."""
+        if self.truncated != "soft_penalty":
             return 0.0
-        buffer = self.overlong_buffer * max_tokens
-        return self.overlong_penalty * min(1.0, max(0.0, (num_tokens - (max_tokens - buffer)) / buffer))
+        return truncation.overlong_penalty(num_tokens, max_tokens, self.overlong_penalty, self.overlong_buffer)
 
-    def reward(self, label: Verdict, verifier_reward: float, num_tokens: int, max_tokens: int) -> float:
+    def verdict(self, label: Verdict, verifier_reward: float, finish_reason: str, num_tokens: int,
+                max_tokens: int) -> Verification:
+        """The final reward and label of one completion (see the module docstring)."""
+        if self.truncated == "zero_reward" and truncation.is_truncated(finish_reason):
+            return Verification(reward=self.reward_table.get(Verdict.truncated.value, 0.0), label=Verdict.truncated)
         base = self.reward_table.get(label.value, verifier_reward)
-        return base - self.penalty(num_tokens, max_tokens)
+        return Verification(reward=base - self.penalty(num_tokens, max_tokens), label=label)
 
     def _outcomes(self, items: list[ScoreItem]) -> list[tuple[str, Any]]:
         """One pool call for the whole batch (a group's completions: one pipe round trip instead of one per
@@ -153,7 +158,7 @@ class RewardService:
 
     def _score_batch(self, items: list[ScoreItem]) -> list[Verification]:
         out = []
-        for (_, sample, _, num_tokens, max_tokens), (outcome, value) in zip(items, self._outcomes(items)):
+        for (_, sample, finish, num_tokens, max_tokens), (outcome, value) in zip(items, self._outcomes(items)):
             with self._stats_lock:
                 self.stats["calls"] += 1
                 if outcome != "ok":
@@ -163,7 +168,7 @@ class RewardService:
             else:
                 log.warning("verifier %s on task sample %r: %s -> label 'error'", outcome, sample.id, value)
                 verifier_reward, label = 0.0, Verdict.error
-            out.append(Verification(reward=self.reward(label, verifier_reward, num_tokens, max_tokens), label=label))
+            out.append(self.verdict(label, verifier_reward, finish, num_tokens, max_tokens))
         return out
 
     def _batches(self, completions: list[ScoreItem]) -> list[list[ScoreItem]]:

@@ -1,31 +1,64 @@
-"""Answer extraction shared by the tasks: the content of the last `\\boxed{...}` (braces may nest)."""
+"""Answer extraction shared by the tasks, and the rule every built-in verifier applies: only a finished answer counts.
+
+A reply's answer is its one `\\boxed{...}` (braces may nest) when the box is the last thing in the reply: after it
+only whitespace, or, with `MATH_TRAILER` (math_jsonl, reasoning_gym), closing math delimiters and a full stop as a
+chat model writes them ("... is $\\boxed{42}$."). A reply with junk after its box (`\\boxed{89}\\boxed}\\14`), with two
+boxes (a hedge), or with an unclosed box has no final answer: `no_answer`, or `truncated` when the length limit cut
+it off. Whether a reply cut off by the limit may still earn its answer's reward is the algorithm's choice
+(`algo.truncated`, inflight/algo/truncation.py), not the verifier's; held-out accuracy counts finished replies only.
+"""
 
 from __future__ import annotations
+
+import re
 
 from inflight.contracts import Verdict, Verification
 
 BOX = "\\boxed{"
+WHITESPACE = re.compile(r"\s*")
+MATH_TRAILER = re.compile(r"(?:\s|\$|\\\]|\\\)|\.|\*)*")  # whitespace, $ \] \) . and markdown's **
+
+
+def box_end(text: str, start: int) -> int | None:
+    """Index just past the `}` that closes the box opening at `start`, or None when it never closes."""
+    depth, i = 1, start + len(BOX)
+    while i < len(text):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{...}` in `text`, or None when there is none (or it never closes)."""
+    """Content of the last complete `\\boxed{...}` in `text`, or None when there is none (or it never closes).
+    Lenient: it ignores what follows the box; verifiers use `final_boxed`."""
     start = text.rfind(BOX)
     while start != -1:
-        depth, i = 1, start + len(BOX)
-        while i < len(text):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(BOX) : i]
-            i += 1
+        end = box_end(text, start)
+        if end is not None:
+            return text[start + len(BOX) : end - 1]
         start = text.rfind(BOX, 0, start)  # unclosed: an earlier, complete box may still count
     return None
 
 
+def final_boxed(text: str, trailer: re.Pattern[str] = WHITESPACE) -> str | None:
+    """Content of the reply's one box when nothing but `trailer` follows it; None otherwise (no box, two boxes,
+    an unclosed box, or anything else after it)."""
+    start = text.find(BOX)
+    if start == -1 or text.find(BOX, start + 1) != -1:
+        return None
+    end = box_end(text, start)
+    if end is None or trailer.fullmatch(text, end) is None:
+        return None
+    return text[start + len(BOX) : end - 1]
+
+
 def unanswered(finish_reason: str) -> Verification:
-    """No answer found: cut off by the length limit is `truncated`, otherwise `no_answer`."""
+    """No final answer: cut off by the length limit is `truncated`, otherwise `no_answer`."""
     label = Verdict.truncated if finish_reason == "length" else Verdict.no_answer
     return Verification(reward=0.0, label=label)
 

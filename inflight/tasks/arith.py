@@ -6,6 +6,10 @@ problems of its own seeded generator; the training stream skips those problems, 
 
 `scratchpad=True` is the generation-heavy variant: the number of terms varies in 2..terms and the target shows
 column-by-column work (tens to a few hundred tokens) before the boxed answer.
+
+Verifier: a reply is correct when its one `\\boxed{...}` holds the answer as an integer (spaces allowed) and only
+whitespace follows the box. Junk after the box, a second box or an unclosed one is `no_answer` (`truncated` when
+the length limit cut the reply off); a well-formed box with another number is `wrong`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import re
 from typing import Iterator
 
 from inflight.contracts import TaskSample, Verification
-from inflight.tasks.answer import graded, last_boxed, unanswered
+from inflight.tasks.answer import final_boxed, graded, unanswered
 from inflight.tasks.config import TaskConfig
 
 OPERATORS = ("+", "-", "*")
@@ -179,7 +183,9 @@ class ArithTask:
         return right[: right.rfind("\\boxed{")] + f"\\boxed{{{wrong}}}"
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
-        boxed = last_boxed(completion)
+        """Correct: one `\\boxed{integer}` equal to the answer, with nothing but whitespace after it (strict: a tiny
+        model that learns to append junk, or to hedge with a second box, earns nothing; see tasks/answer.py)."""
+        boxed = final_boxed(completion)
         if boxed is None:
             return unanswered(finish_reason)
         m = _INT.match(boxed)

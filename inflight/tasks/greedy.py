@@ -1,4 +1,5 @@
-"""Held-out greedy accuracy of an HF model on a task: HF `generate`, left-padded batches, the task's own verifier.
+"""Held-out greedy accuracy of an HF model on a task: HF `generate`, left-padded batches, the task's own verifier;
+a reply counts only when it ended (end-of-sequence token within max_new_tokens), as in inflight's evaluations.
 Used by the SFT warm start and by the peer benchmarks (which run it in other venvs: it needs only torch,
 transformers and this package's light modules)."""
 
@@ -29,8 +30,10 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSam
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
                 finish = "stop" if tokenizer.eos_token_id in ids else "length"
+                if finish == "stop":  # generate pads after the end; the reply is what came before it
+                    ids = ids[: ids.index(tokenizer.eos_token_id)]
                 text = tokenizer.decode(ids, skip_special_tokens=True)
-                correct += task.verify(text, s, finish).label == Verdict.correct
+                correct += finish == "stop" and task.verify(text, s, finish).label == Verdict.correct
     finally:
         model.train(was_training)
     return correct / max(1, len(samples))

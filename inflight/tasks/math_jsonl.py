@@ -3,6 +3,10 @@
 GSM8K-style answers ("... #### 42") keep the part after `####`. The held-out split is `eval_path`, or else the last
 `eval_size` rows of `path`. The model answers in `\\boxed{...}`; the boxed text is compared with the gold answer by
 math-verify (so `\\frac{1}{2}` equals `0.5`).
+
+Verifier: the reply's one box must end it; after the box only whitespace, closing math delimiters (`$`, `\\]`,
+`\\)`), `**` and a full stop ("the answer is $\\boxed{18}$."). Anything else after it, a second box or an unclosed one
+is `no_answer` (`truncated` when cut off by the length limit); an empty box is `no_answer`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from inflight.contracts import TaskSample, Verdict, Verification
-from inflight.tasks.answer import graded, last_boxed, unanswered
+from inflight.tasks.answer import MATH_TRAILER, final_boxed, graded, unanswered
 from inflight.tasks.config import TaskConfig
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made with timeouts disabled
@@ -98,7 +102,7 @@ class MathJsonlTask:
         return f"\\boxed{{{sample.answer}}}"
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
-        boxed = last_boxed(completion)
+        boxed = final_boxed(completion, MATH_TRAILER)
         if boxed is None or not boxed.strip():
             return unanswered(finish_reason)
         from math_verify import parse, verify

@@ -3,6 +3,9 @@
 The model answers in `\\boxed{...}`; the boxed text goes to `dataset.score_answer`. All 105 single datasets of
 reasoning-gym 0.1.19 generate offline (checked); `composite` needs a list of datasets and is not supported here.
 A sample records (seed, index) so it can be regenerated for scoring in any process.
+
+Verifier: as math_jsonl's, the reply's one box must end it (only whitespace, `$`, `\\]`, `\\)`, `**` or a full stop
+after it); otherwise `no_answer` (`truncated` when cut off by the length limit). The scorer's partial credit is kept.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from functools import lru_cache
 from typing import Any, Iterator
 
 from inflight.contracts import TaskSample, Verdict, Verification
-from inflight.tasks.answer import last_boxed, unanswered
+from inflight.tasks.answer import MATH_TRAILER, final_boxed, unanswered
 from inflight.tasks.config import TaskConfig
 
 INSTRUCTION = "Put your final answer in \\boxed{}."
@@ -75,7 +78,7 @@ class ReasoningGymTask:
         return f"\\boxed{{{sample.answer}}}"
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
-        boxed = last_boxed(completion)
+        boxed = final_boxed(completion, MATH_TRAILER)
         if boxed is None:
             return unanswered(finish_reason)
         try:

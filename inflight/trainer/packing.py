@@ -66,8 +66,12 @@ def collate(
     num_tokens_in_step: int,
     with_versions: bool = True,
     temperature: float = 1.0,
+    trained: list[bool] | None = None,
 ) -> TrainBatch:
-    """One packed TrainBatch of exactly these samples, in this order."""
+    """One packed TrainBatch of exactly these samples, in this order. `trained[k]` False: sample k is in the row but
+    none of its tokens trains (loss_mask 0), e.g. a truncated completion under algo.truncated=mask."""
+    if trained is not None and len(trained) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(trained)} trained flags")
     ids, pos, mask, adv, mu, ver, sidx, lens = [], [], [], [], [], [], [], []
     for k, (s, a) in enumerate(zip(samples, advantages, strict=True)):
         _check(s, with_versions)
@@ -75,7 +79,7 @@ def collate(
         n = p + c
         ids += s.prompt_ids + s.completion_ids
         pos += range(n)
-        m = [0.0] * p + [1.0] * c
+        m = [0.0] * p + [1.0 if trained is None or trained[k] else 0.0] * c
         m[0] = 0.0  # nothing in this sample predicts its first token
         mask += m
         adv += [0.0] * p + [float(a)] * c

@@ -207,6 +207,43 @@ def test_evaluate_greedy_is_repeatable_and_tagged(server, rewards):
     assert a["version_min"] == a["version_max"] >= 0
 
 
+def test_evaluation_counts_only_finished_replies(server):
+    """A verifier that calls every reply correct: held-out accuracy still counts only the replies that ended (EOS)
+    within the limit; the first eval_samples replies come back as text with their endings and verdicts."""
+    from inflight.contracts import Verification
+
+    class Lenient:
+        name = "lenient"
+
+        def __init__(self):
+            self.task = get_task(TASK_CFG)
+
+        def eval_samples(self):
+            return self.task.eval_samples()
+
+        def verify(self, completion, sample, finish_reason="stop"):
+            return Verification(1.0, Verdict.correct)
+
+    cfg = actor_cfg(eval_temperature=1.0, eval_max_new_tokens=3, eval_samples=5)
+
+    async def main():
+        pool = ServerPool([server.url])
+        try:
+            return await evaluate(Lenient(), pool, cfg)
+        finally:
+            await pool.aclose()
+
+    res = asyncio.run(main())
+    cut = res["labels"].get("truncated", 0)
+    assert cut + res["labels"].get("correct", 0) == 8 and 0 < cut  # a random model rarely ends in 3 tokens
+    assert res["truncated_frac"] == cut / 8 and res["pass@1"] == 1 - cut / 8
+    assert res["completion_len_max"] <= 3 and 1 <= res["completion_len_mean"] <= 3
+    assert len(res["replies"]) == 5
+    for r in res["replies"]:
+        assert r["label"] == ("truncated" if r["finish"] == "length" else "correct") and r["tokens"] <= 3
+        assert r["prompt"] in {s.messages[-1]["content"] for s in get_task(TASK_CFG).eval_samples()[:5]}
+
+
 def test_run_actor_entry_point_stops_at_pipeline_limits(server, weights_file):
     cfg = RunConfig(task=TASK_CFG, actor=actor_cfg(eval_every=1))
     cfg.pipeline.max_steps = 3

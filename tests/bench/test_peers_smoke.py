@@ -37,7 +37,9 @@ def test_peers_prints_a_table(tiny_model_dir, tmp_path):
         assert cells[2].split()[0] == "512", (system, row)  # 4 steps x 128 samples trained
         assert cells[3] != "not reached", (system, row)  # target 0 is reached at the first evaluation
         assert 0 <= float(cells[6].split()[0]) <= 100, (system, row)  # the learning curve's mean accuracy
-        share = float(cells[10].split()[0].rstrip("%"))
+        assert 0 <= float(cells[10].split()[0].rstrip("%")) <= 100, (system, row)  # completions cut off
+        assert float(cells[11].split()[0]) > 0, (system, row)  # executed MFLOP per sample
+        share = float(cells[12].split()[0].rstrip("%"))
         assert 0 < share < 100, (system, row)  # no run beats the machine's matmul peak
     saved = json.loads((tmp_path / "peers-results.json").read_text())
     assert sorted(saved["runs"]) == sorted(systems) and all(len(saved["runs"][s][0]["evals"]) == 3 for s in systems)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 PROMISED = ["config.yaml", "metrics.jsonl", "report.html", "summary.json", "checkpoints/final/config.json",
             "logs/trainer.log", "logs/actor.log", "logs/server0.log", "logs/server1.log"]
-PLOTS = ["accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer"]
+PLOTS = ["accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer"]
 
 
 def overrides(model_dir: Path, run_dir: Path, name: str, *extra: str) -> list[str]:
@@ -29,7 +29,8 @@ def overrides(model_dir: Path, run_dir: Path, name: str, *extra: str) -> list[st
         f"pipeline.weight_sync_port={free_port()}", "trainer.threads=1", "pipeline.progress=false",
         "task.eval_size=16", "actor.eval_every=3", "actor.group_size=4", "actor.groups_per_step=2",
         "actor.max_new_tokens=160", "actor.max_lag=2", "pipeline.max_steps=8", "pipeline.tensorboard=true",
-        *extra,
+        # a random model stops (EOS) within 160 tokens only now and then: steps mix both endings, and warn often
+        "pipeline.warn_truncated_frac=0.05", "pipeline.warn_truncated_steps=2", *extra,
     ]
 
 
@@ -56,7 +57,42 @@ def check_common(run: Path, max_steps: int) -> list[dict]:
     assert len(final) == 1 and final[0]["version_min"] == max_steps and 0.0 <= final[0]["accuracy"] <= 1.0
     roles = {json.loads(line)["role"] for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert roles == {"launcher", "trainer", "actor"}
+    check_lengths(run, steps)
     return steps
+
+
+def check_lengths(run: Path, steps: list[dict]) -> None:
+    """Completion lengths and endings per step in metrics.jsonl, TensorBoard and the report; the truncation
+    warning exactly when its rule says; held-out replies in the report, escaped."""
+    import html
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from inflight.pipeline.completions import TruncationAlarm
+    from inflight.pipeline.replies import visible
+
+    for r in steps:
+        assert 1 <= r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 160
+        assert r["truncated_frac"] + r["eos_frac"] == pytest.approx(1.0)  # every completion stopped or was cut
+        assert r["completion_tokens"] == pytest.approx(r["completion_len_mean"] * r["samples"])
+        assert r["completion_len_max"] == 160 or r["truncated_frac"] == 0
+    assert any(r["truncated_frac"] > 0 for r in steps) and any(r["eos_frac"] > 0 for r in steps)
+    alarm = TruncationAlarm(0.05, 2)
+    due = [r["step"] for r in steps if alarm.update(r["truncated_frac"])]
+    assert [w["step"] for w in records(run, "warning")] == due
+    tb = EventAccumulator(str(run / "tensorboard" / "trainer"))
+    tb.Reload()
+    for tag in ("train_step/truncated_frac", "train_step/completion_len_mean", "train_step/eos_frac"):
+        assert [e.step for e in tb.Scalars(tag)] == [r["step"] for r in steps]
+    report = (run / "report.html").read_text()
+    assert "Completion lengths and endings" in report and "Held-out replies" in report
+    evals = [r for r in records(run, "eval") if r.get("replies")]
+    assert evals and all(len(r["replies"]) == 6 for r in evals)  # actor.eval_samples
+    last = evals[-1]["replies"][0]
+    assert set(last) == {"prompt", "reply", "finish", "tokens", "label"}
+    assert html.escape(visible(last["reply"])) in report  # model output, escaped
+    summary = json.loads((run / "summary.json").read_text())[0]
+    assert summary["warnings"] == len(due) and 0 <= summary["truncated_pct_last"] <= 100
 
 
 @pytest.mark.parametrize("update_mode", ["keep", "interrupt"])

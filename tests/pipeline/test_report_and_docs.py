@@ -91,3 +91,43 @@ def test_demo_result_line_rounds_the_percentages():
     line = result_line({"first_accuracy": 28.000000000000004, "last_accuracy": 66.0, "best_accuracy": None,
                         "wall_s": 366.1})
     assert line == "demo: held-out accuracy 28.0% -> 66.0% (best n/a) in 366.1 s of RL"
+
+
+def test_demo_result_line_tells_how_completions_end():
+    from inflight.pipeline.demo import result_line
+
+    line = result_line({"first_accuracy": 30.0, "last_accuracy": 70.0, "best_accuracy": 72.5, "wall_s": 360.0,
+                        "completion_len_last": 5.04, "truncated_pct_last": 0.4})
+    assert line.endswith("; at the end 5.0 tokens per completion, 0.4% cut off by max_new_tokens")
+
+
+def test_report_shows_lengths_and_escaped_replies(tmp_path):
+    """Completion lengths per step, the late truncated share in the summary, and the held-out replies of a few
+    evaluations: model output is escaped, never markup."""
+    from inflight.pipeline.replies import pick
+
+    run = tmp_path / "run"
+    trainer, actor = MetricsLogger(run, "trainer"), MetricsLogger(run, "actor")
+    for k in range(1, 21):
+        cut = 0.05 * k  # a policy drifting into the limit
+        trainer.log("train_step", step=k, reward_mean=0.5, samples_total=8 * k, elapsed_s=float(k),
+                    completion_len_mean=6 + 0.3 * k, completion_len_min=4, completion_len_max=12,
+                    truncated_frac=cut, eos_frac=1 - cut)
+        if k % 3 == 0:
+            replies = [{"prompt": "1+2=", "reply": f"\\boxed{{3}}<script>alert({k})</script> & \n\x1b",
+                        "finish": "length", "tokens": 12, "label": "truncated"},
+                       {"prompt": "4+4=", "reply": "\\boxed{8}", "finish": "stop", "tokens": 5, "label": "correct"}]
+            actor.log("eval", step=k, trainer_version=k, accuracy=0.5, truncated_frac=cut, replies=replies)
+    trainer.log("warning", step=20, kind="truncation", message="cut off")
+    for log in (trainer, actor):
+        log.close()
+    html = write_report([run]).read_text()
+    assert (run / "plots" / "lengths.png").stat().st_size > 1000 and "plots/lengths.png" in html
+    assert "<script>" not in html and "\\boxed{3}&lt;script&gt;alert(18)&lt;/script&gt; &amp; ↵\n\\x1b" in html
+    shown = [k for k in (3, 6, 9, 12, 15, 18) if f"trainer version {k}," in html]
+    assert shown == [3, 9, 12, 18]  # the first, the last and evenly spaced ones between
+    assert "cut off (max_new_tokens)" in html and "ended (EOS)" in html
+    s = summary(Run(run))
+    assert abs(s["truncated_pct_last"] - 97.5) < 1e-9  # the last 10% of 20 steps: 95% and 100%
+    assert abs(s["completion_len_last"] - 11.85) < 1e-9 and s["warnings"] == 1
+    assert pick(list(range(10)), 4) == [0, 3, 6, 9] and pick([1, 2], 4) == [1, 2]

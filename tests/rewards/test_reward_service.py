@@ -1,4 +1,5 @@
-"""RewardService: real task labels, hung / raising / crashing verifiers, timeouts, reward table, overlong penalty."""
+"""RewardService: real task labels, hung / raising / crashing verifiers, timeouts, reward table, and what each
+truncation mode (algo.truncated) does to the reward of a completion the length limit cut off."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def _dapo_penalty(n: int, max_tokens: int, p: float, frac: float) -> float:
 def test_reward_table_and_overlong_penalty():
     table = {"wrong": -0.5, Verdict.truncated: -1.0, "error": -2.0}
     with RewardService(TaskConfig(), workers=1, timeout_s=1.0, verify_fn=FNS, reward_table=table,
-                       overlong_penalty=0.5, overlong_buffer=0.25) as rs:
+                       truncated="soft_penalty", overlong_penalty=0.5, overlong_buffer=0.25) as rs:
         # max_tokens 16, buffer 4 tokens: penalty 0 up to 12 tokens, then 0.125 per token, 0.5 from 16 on
         items = [_item("42", n=12), _item("42", n=13), _item("42", n=16), _item("41", n=14),
                  _item("", "42", "length", 16), _item("partial", n=5), _item("raise", n=15),
@@ -127,6 +128,36 @@ def test_reward_table_and_overlong_penalty():
     assert rs.penalty(40, 16) == 0.5  # capped beyond the limit
 
 
+@pytest.mark.parametrize("mode", ["keep", "mask", "zero_reward", "soft_penalty"])
+def test_truncation_modes_on_rewards(mode):
+    """The same five completions (max_tokens 10) under each mode: which rewards and labels change, by hand."""
+    items = [_item("42", n=5, max_tokens=10),                   # finished, short, correct
+             _item("42", n=10, max_tokens=10),                  # finished at the limit's length (EOS last)
+             _item("42", "42", "length", 10, 10),                # cut off, its text a correct answer
+             _item("41", "42", "length", 10, 10),                # cut off, wrong
+             _item("partial", "42", "length", 9, 10)]           # cut off at 9 tokens (e.g. a stop mid-token)
+    with RewardService(TaskConfig(), workers=1, timeout_s=5.0, verify_fn=FNS, truncated=mode) as rs:
+        out = rs.score_sync(items)
+    verifier = ([1.0, 1.0, 1.0, 0.0, 0.25], [Verdict.correct, Verdict.correct, Verdict.correct, Verdict.wrong,
+                                               Verdict.wrong])
+    if mode in ("keep", "mask"):  # the verifier's word (mask acts in the trainer)
+        expect = verifier
+    elif mode == "zero_reward":  # every cut-off completion: reward 0, label truncated
+        expect = ([1.0, 1.0, 0.0, 0.0, 0.0], [Verdict.correct, Verdict.correct] + [Verdict.truncated] * 3)
+    else:  # DAPO, penalty 1 over the last 20% (2 tokens): 0 up to 8 tokens, 0.5 at 9, 1 at 10, finished or not
+        expect = ([1.0, 0.0, 0.0, -1.0, 0.25 - 0.5], verifier[1])
+    assert [v.reward for v in out] == pytest.approx(expect[0], abs=1e-12)
+    assert [v.label for v in out] == expect[1]
+
+
+def test_zero_reward_uses_the_tables_truncated_reward():
+    with RewardService(TaskConfig(), workers=1, verify_fn=FNS, truncated="zero_reward",
+                       reward_table={"truncated": -0.5, "wrong": -0.25}) as rs:
+        out = rs.score_sync([_item("42", finish="length"), _item("41"), _item("41", finish="length")])
+    assert [(v.reward, v.label) for v in out] == [(-0.5, Verdict.truncated), (-0.25, Verdict.wrong),
+                                                  (-0.5, Verdict.truncated)]
+
+
 def test_default_table_uses_verifier_rewards(service):
     out = service.score_sync([_item("partial"), _item("42", n=16)])  # no penalty configured
     assert [v.reward for v in out] == [0.25, 1.0]
@@ -136,7 +167,9 @@ def test_bad_configuration_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown labels"):
         RewardService(TaskConfig(), reward_table={"right": 1.0})
     with pytest.raises(ValueError, match="overlong"):
-        RewardService(TaskConfig(), overlong_penalty=-1)
+        RewardService(TaskConfig(), truncated="soft_penalty", overlong_penalty=-1)
+    with pytest.raises(ValueError, match="zero_reward"):
+        RewardService(TaskConfig(), truncated="drop")
     rs = RewardService(TaskConfig(), workers=1, verify_fn="rewardfns:no_such_function")
     with pytest.raises(RuntimeError, match="no_such_function"):
         rs.start()

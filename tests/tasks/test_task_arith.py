@@ -80,16 +80,24 @@ def test_scratchpad_lengths_vary_and_are_right():
     [
         ("\\boxed{46}", "stop", Verdict.correct),
         ("12+34 is \\boxed{ 46 }", "stop", Verdict.correct),
-        ("\\boxed{45} no wait \\boxed{46}", "stop", Verdict.correct),  # the last box counts
-        ("\\boxed{46} no wait \\boxed{45}", "stop", Verdict.wrong),
+        ("\\boxed{46}\n  ", "stop", Verdict.correct),  # whitespace after the box is fine
         ("\\boxed{47}", "stop", Verdict.wrong),
         ("\\boxed{46.0}", "stop", Verdict.wrong),  # exact integer compare
         ("\\boxed{forty six}", "stop", Verdict.wrong),
         ("46", "stop", Verdict.no_answer),
         ("", "stop", Verdict.no_answer),
         ("\\boxed{46", "stop", Verdict.no_answer),  # malformed: never closed
+        # only a finished answer counts: one box, nothing after it but whitespace
+        ("\\boxed{45} no wait \\boxed{46}", "stop", Verdict.no_answer),  # two boxes: a hedge, not one answer
+        ("\\boxed{46} no wait \\boxed{45}", "stop", Verdict.no_answer),
+        ("\\boxed{46}\\boxed{46}", "stop", Verdict.no_answer),
+        ("\\boxed{46}.", "stop", Verdict.no_answer),  # arith is strict: a tiny model has no reason to add a dot
+        ("\\boxed{46}\\}\\boxed}", "stop", Verdict.no_answer),  # the demo's junk (issue 21), ended
+        ("\\boxed{46}\\boxed}\\14", "length", Verdict.truncated),  # ... and cut off by the limit
+        ("\\boxed{46}}", "length", Verdict.truncated),
         ("\\boxed{4", "length", Verdict.truncated),
-        ("\\boxed{46}", "length", Verdict.correct),  # cut off after answering still counts
+        # a cut-off reply whose text is one finished box: the text is right; algo.truncated decides what it earns
+        ("\\boxed{46}", "length", Verdict.correct),
     ],
 )
 def test_verify_labels(completion, finish, label):

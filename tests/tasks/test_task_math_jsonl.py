@@ -58,6 +58,14 @@ def test_split_and_gsm8k_answers(jsonl):
         (2, "\\boxed{}", "stop", Verdict.no_answer),
         (2, "\\boxed{10", "length", Verdict.truncated),
         (2, "\\boxed{@@}", "stop", Verdict.wrong),
+        # only a finished answer counts: the one box ends the reply (closing math delimiters and a dot may follow)
+        (2, "the answer is $\\boxed{1018}$.", "stop", Verdict.correct),
+        (2, "\\[\\boxed{1018}\\]\n", "stop", Verdict.correct),
+        (2, "**\\boxed{1018}**", "stop", Verdict.correct),
+        (2, "\\boxed{1018} Let me check: 1018 - 9 = 1009", "stop", Verdict.no_answer),
+        (2, "\\boxed{1019} no, \\boxed{1018}", "stop", Verdict.no_answer),
+        (2, "\\boxed{1018}\\boxed}\\14", "length", Verdict.truncated),
+        (2, "\\boxed{1018}$", "length", Verdict.correct),  # the text is finished; algo.truncated decides the rest
     ],
 )
 def test_verify_labels(jsonl, index, completion, finish, label):

@@ -29,6 +29,11 @@ def test_scorer_labels():
     assert task.verify(f"\\boxed{{{int(s.answer) + 1}}}", s).label == Verdict.wrong
     assert task.verify(s.answer, s).label == Verdict.no_answer
     assert task.verify("\\boxed{1", s, "length").label == Verdict.truncated
+    # only a finished answer counts: junk or a second box after the answer earns nothing
+    assert task.verify(f"\\boxed{{{s.answer}}}$.", s).label == Verdict.correct
+    assert task.verify(f"\\boxed{{{s.answer}}} and more", s).label == Verdict.no_answer
+    assert task.verify(f"\\boxed{{{s.answer}}}\\boxed{{{s.answer}}}", s).label == Verdict.no_answer
+    assert task.verify(f"\\boxed{{{s.answer}}}\\boxed}}\\1", s, "length").label == Verdict.truncated
     # a sample regenerates from its meta in a fresh task object (e.g. another process)
     assert _task().verify(f"\\boxed{{{s.answer}}}", s).reward == 1.0
 
