@@ -11,8 +11,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _build_tiny_model(out: Path) -> Path:
-    """A 'Qwen2-style' tiny LM (llama architecture, untied head) + char-level tokenizer with a chat template."""
+def _build_tiny_model(out: Path, tied: bool = False) -> Path:
+    """A 'Qwen2-style' tiny LM (llama architecture, untied head unless `tied`) + char-level tokenizer with a chat
+    template."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -34,7 +35,7 @@ def _build_tiny_model(out: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied,
         pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|im_end|>"], bos_token_id=None,
     )
     model = LlamaForCausalLM(config)
@@ -47,3 +48,9 @@ def _build_tiny_model(out: Path) -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """Folder loadable by AutoModelForCausalLM / AutoTokenizer.from_pretrained (random weights)."""
     return _build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory) -> Path:
+    """As tiny_model_dir, with tie_word_embeddings: lm_head.weight is model.embed_tokens.weight."""
+    return _build_tiny_model(tmp_path_factory.mktemp("tied_model"), tied=True)

@@ -42,6 +42,7 @@ from typing import AsyncIterator, Callable, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from inflight.contracts import tied_aliases
 from inflight.engine import llama_runner, precision
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
@@ -122,7 +123,8 @@ class InferenceEngine:
             self.runner = HFRunner(self.model, max_batch, self.max_model_len)
         self.fast_path = why_not is None
         self.generator_precision = generator_precision
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
+        self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
         self.version = 0
         # state owned by the engine thread
         self._free = list(range(max_batch))  # a min-heap: low slots first keeps decode slots contiguous
@@ -228,7 +230,9 @@ class InferenceEngine:
         errors = []
         for name, t in tensors.items():
             p = self._params.get(name)
-            if p is None:
+            if name in self.tied_aliases:
+                errors.append(f"{name!r} is tied to {self.tied_aliases[name]!r}: update it under that name")
+            elif p is None:
                 errors.append(f"unknown parameter {name!r}")
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 errors.append(f"{name}: shape {tuple(getattr(t, 'shape', ()))} != {tuple(p.shape)}")

@@ -217,7 +217,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         except Exception:
             return  # malformed JSON: the body validation answers 400 with the parser's message
         params = body.get("params") if isinstance(body, dict) else None
-        cap = len(engine.param_specs())
+        # tied aliases count: a list naming them too gets the 400 that names the canonical name, not a 413
+        cap = len(engine.param_specs()) + len(getattr(engine, "tied_aliases", None) or {})
         if isinstance(params, list) and len(params) > cap:
             raise HTTPException(413, f"'params' lists {len(params)} tensors; the model has {cap} parameters")
 
