@@ -265,6 +265,10 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
     def render_chat(msgs: tuple[tuple[str, str], ...], add_generation_prompt: bool) -> tuple[int, ...]:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {engine.model_name!r} has no chat template, so chat messages cannot be rendered: "
+                             "use /v1/completions with a prompt, or serve a chat model (or add chat_template.jinja "
+                             "to the model folder)", "messages")
         try:
             ids = engine.tokenizer.apply_chat_template(
                 [{"role": r, "content": c} for r, c in msgs], add_generation_prompt=add_generation_prompt,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.contracts import tied_aliases
+from inflight.engine.stops import stop_token_ids
 
 log = logging.getLogger("inflight.modelkit.gguf")
 
@@ -55,10 +56,10 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
                               "pass a .gguf checkpoint or a Hugging Face folder") from None
     field = reader.fields.get("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # those two are mapping sections
+    if arch not in known:
         raise ModelFetchError(f"{path}: GGUF architecture {arch!r} is not one transformers can load "
-                              f"({', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); convert it with llama.cpp's "
-                              "tools or get the model as a Hugging Face folder")
+                              f"({', '.join(known)}); get the model as a Hugging Face folder instead")
     types = sorted({t.tensor_type.name for t in reader.tensors})
     unreadable = []
     for name in set(types) - _PLAIN:
@@ -72,17 +73,6 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
                               "cannot dequantize; use a GGUF file of another quantization (Q4_0, Q4_1, Q8_0, Q4_K, "
                               "Q6_K, F16, ...) or the model's Hugging Face folder")
     return {"architecture": arch, "tensor_types": types, "tensors": len(reader.tensors)}
-
-
-def eos_ids(*sources: Any) -> list[int]:
-    """Every end-of-sequence id named by the given configs / tokenizer (ints or lists), in first-seen order."""
-    out: list[int] = []
-    for src in sources:
-        v = getattr(src, "eos_token_id", None)
-        for i in v if isinstance(v, (list, tuple)) else [v]:
-            if i is not None and int(i) not in out:
-                out.append(int(i))
-    return out
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, source: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -114,7 +104,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, source: dict[str, A
     model.tie_weights()
     del loaded, state
     gen = model.generation_config
-    ids = eos_ids(gen, cfg, tokenizer)
+    ids = sorted(stop_token_ids(cfg, gen, tokenizer))  # HF generate then stops where the engine does
     gen.eos_token_id = ids[0] if len(ids) == 1 else ids
     if gen.pad_token_id is None and tokenizer.pad_token_id is not None:
         gen.pad_token_id = tokenizer.pad_token_id

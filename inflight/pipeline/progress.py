@@ -39,6 +39,13 @@ class Progress:
                 self.state.update(reward=f"{r.get('reward_mean', 0):.2f}", lag=f"{r.get('lag_max', 0):.0f}",
                                   sps=f"{r.get('samples_total', 0) / el:.0f}")
             elif ev == "eval" and r.get("accuracy") is not None:
+                if r.get("base"):  # the starting weights, measured before any rollout
+                    self.state["base"] = f"{100 * r['accuracy']:.1f}%"
+                    if self.enabled:
+                        from tqdm import tqdm
+
+                        tqdm.write(f"base model held-out accuracy: {100 * r['accuracy']:.1f}% "
+                                   f"({r.get('num_problems')} problems, before RL)")
                 self.state["acc"] = f"{100 * r['accuracy']:.1f}%"
         bar = self._bar()
         if bar is None:
