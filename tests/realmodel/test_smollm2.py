@@ -86,7 +86,7 @@ def test_three_pipelined_steps_pushed_server_matches_float64_forward_and_tied_he
             f"model.path={smollm2_dir}", f"pipeline.run_dir={tmp_path}", "name=smol", f"pipeline.server_urls=[{server.url}]",
             f"pipeline.weight_sync_port={free_port()}", "pipeline.max_steps=3", "pipeline.max_minutes=0",
             "pipeline.progress=false", "pipeline.tensorboard=false", "trainer.lr=3e-4", "actor.group_size=4",
-            "actor.groups_per_step=2", "actor.max_new_tokens=16", "actor.max_lag=1", "task.eval_size=8",
+            "actor.groups_per_step=2", "actor.max_new_tokens=12", "actor.max_lag=1", "task.eval_size=4",
             "actor.eval_every=100"]
     res = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
@@ -96,7 +96,7 @@ def test_three_pipelined_steps_pushed_server_matches_float64_forward_and_tied_he
     pushes = [r for r in records if r.get("event") == "weight_push"]
     assert [r["step"] for r in steps] == [1, 2, 3] and [r["step"] for r in pushes] == [1, 2, 3]
     base = [r for r in records if r.get("event") == "eval" and r.get("base")]
-    assert len(base) == 1 and base[0]["version_max"] == 0 and base[0]["num_problems"] == 8
+    assert len(base) == 1 and base[0]["version_max"] == 0 and base[0]["num_problems"] == 4
 
     # the server now holds version 3; its logprobs are those of the final checkpoint's weights
     ch = _chat(server.url, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)
