@@ -98,8 +98,18 @@ def _is_complete(out_dir: Path, source: dict) -> bool:
 
 
 def get_model(name_or_gguf: str, out_dir: str | Path, cache: str | Path | None = None) -> Path:
-    """A plain HF folder at `out_dir` for a named model (MODELS) or a local .gguf file; instant when it is there."""
+    """A plain HF folder at `out_dir` for a named model (MODELS) or a local .gguf file; instant when it is there.
+    Concurrent calls (two test sessions, two users of one cache) take turns on a lock file in the cache."""
+    import fcntl
+
     out_dir, cache = Path(out_dir), Path(cache) if cache else default_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _get_model(name_or_gguf, out_dir, cache)
+
+
+def _get_model(name_or_gguf: str, out_dir: Path, cache: Path) -> Path:
     if name_or_gguf in MODELS:
         spec = MODELS[name_or_gguf]
         source = {"name": name_or_gguf, **asdict(spec)}
