@@ -30,12 +30,9 @@ class ModelFetchError(RuntimeError):
 
 
 def require_packages() -> None:
-    missing = []
-    for name in ("gguf", "accelerate"):
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(name)
+    import importlib.util
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ModelFetchError(f"reading a GGUF file needs the package(s) {', '.join(missing)}: "
                               f"pip install {' '.join(missing)} (inflight's own dependencies include them)")
