@@ -9,6 +9,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("inflight.modelkit.cli", "train a tokenizer for a task and build a small causal LM from a config"),
+    "get-model": ("inflight.modelkit.fetch", "a pretrained model (e.g. smollm2-135m-instruct) or a GGUF file as a plain HF folder"),
     "sft": ("inflight.trainer.sft", "supervised warm start on generated solutions (sets the starting accuracy)"),
     "serve": ("inflight.engine.serve", "run an inference server (built-in engine, vLLM or SGLang) with the contract"),
     "train": ("inflight.pipeline.train", "run the whole RL pipeline from a YAML config (pipelined or sync)"),

@@ -116,6 +116,15 @@ def _param_bytes(p: ParamInfo) -> int:
     return n
 
 
+def tied_aliases(model: Any) -> dict[str, str]:
+    """{alias: canonical name} for every parameter registered under more than one name (tie_word_embeddings:
+    {"lm_head.weight": "model.embed_tokens.weight"}). The canonical name is the one `named_parameters()` reports
+    (the first registration): a weight update carries each shared tensor once, under that name, and an alias in an
+    update is rejected (docs/inference-contract.md, "Tied weights")."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    return {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if canonical[id(p)] != n}
+
+
 class WeightUpdateResponse(BaseModel):
     version: int
     pause_s: float
@@ -226,7 +235,8 @@ class TrainEngine(Protocol):
         """Clip, step, zero grads, advance `version`; return at least grad_norm and lr."""
 
     def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """The full updated weights, one tensor at a time (gathered layer by layer when sharded), HF names."""
+        """The full updated weights, one tensor at a time (gathered layer by layer when sharded), HF names: those
+        of `named_parameters()`, so a tied tensor comes once, under its canonical name (see `tied_aliases`)."""
 
 
 # --------------------------------------------------------------------------------------------------------------

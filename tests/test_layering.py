@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
 FLOORS: list[tuple[str, ...]] = [
     ("contracts", "heap", "host", "native", "config"),
     ("tasks", "algo", "streams"),
-    ("engine", "trainer", "rewards", "modelkit"),
+    ("modelkit",),
+    ("engine", "trainer", "rewards"),
     ("actor",),
     ("pipeline",),
     ("cli",),

@@ -211,6 +211,13 @@ class Actor:
                 raise RuntimeError(f"{self._failed_in_a_row} groups failed in a row; the last: "
                                    f"{self.failures[-1]['error']}")
             tv = self._seen_version = self.stream.trainer_version()
+            if last_eval is None and self.cfg.eval_every > 0 and self.cfg.eval_base and self.min_version <= 0 \
+                    and self.metrics.groups_started == 0:
+                # a fresh run's base model, before RL (and before the trainer's first publish, which may still be
+                # loading): no rollout has started, so the servers stay at version 0 throughout
+                last_eval = 0
+                await self._evaluate(base=True)
+                continue
             if self.cfg.eval_every > 0 and tv >= 0 and (last_eval is None or tv >= last_eval + self.cfg.eval_every):
                 if eval_task is None or eval_task.done():
                     last_eval = tv
@@ -264,13 +271,17 @@ class Actor:
         return groups
 
     # ------------------------------------------------------------------------------------------------ reporting
-    async def _evaluate(self) -> None:
+    async def _evaluate(self, base: bool = False) -> None:
         try:
             res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model)
         except Exception as exc:
             log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
             return
-        res["trainer_version"] = self.stream.trainer_version()
+        res["trainer_version"] = 0 if base else self.stream.trainer_version()
+        res["base"] = base
+        if base:
+            log.info("base model held-out accuracy (before RL, weight version 0): %.1f%% of %d problems, %.1f s",
+                     100 * res["pass@1"], res["num_problems"], res["seconds"])
         self.eval_results.append(res)
         if self.metrics_sink is not None:
             self.metrics_sink({"kind": "eval", **res})

@@ -17,6 +17,9 @@ class ActorConfig:
     probe_interval_s: float = 0.5  # how often a server out of rotation is probed (GET /health)
     adapter: str = "builtin"  # response shape: builtin | vllm | sglang (see inflight/actor/adapters.py)
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
+    # with eval_every > 0, a fresh run first evaluates the starting weights, before any rollout (so every token of
+    # it is version 0): the base model's held-out accuracy, logged as an eval record with base=true
+    eval_base: bool = True
     eval_temperature: float = 0.0
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     eval_samples: int = 6  # held-out replies (the first problems) recorded per evaluation, shown in the report

@@ -42,10 +42,13 @@ from typing import AsyncIterator, Callable, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from inflight.contracts import tied_aliases
 from inflight.engine import llama_runner, precision
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
 from inflight.engine.step import StepPlan
+from inflight.modelkit.stops import stop_token_ids
+from inflight.modelkit.check import check_model_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,6 +104,8 @@ class InferenceEngine:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
         self.device = torch.device(device)
         precision.check_precision(generator_precision, self.device)
+        if os.path.isdir(model_path):  # else a hub name: transformers explains its own errors
+            check_model_dir(model_path)  # a clear error for a folder that is not a causal LM
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval().requires_grad_(False)
@@ -109,20 +114,21 @@ class InferenceEngine:
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        eos = eos if eos is not None else cfg.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
+        self.eos_ids = stop_token_ids(cfg, self.model.generation_config, self.tokenizer)
         why_not = llama_runner.supports(self.model)
         if why_not is None:
             self.runner = llama_runner.LlamaRunner(self.model, max_batch, self.max_model_len, generator_precision)
         elif generator_precision != "float32":
             raise ValueError(f"generator_precision {generator_precision!r} needs the fast llama path: {why_not}")
         else:
-            log.info("generic HF forward (slower): %s", why_not)
+            log.warning("the fast llama/qwen2 forward does not cover this model (%s): using the generic HF forward "
+                        "(slower)", why_not)
             self.runner = HFRunner(self.model, max_batch, self.max_model_len)
         self.fast_path = why_not is None
         self.generator_precision = generator_precision
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
+        self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
         self.version = 0
         # state owned by the engine thread
         self._free = list(range(max_batch))  # a min-heap: low slots first keeps decode slots contiguous
@@ -228,7 +234,9 @@ class InferenceEngine:
         errors = []
         for name, t in tensors.items():
             p = self._params.get(name)
-            if p is None:
+            if name in self.tied_aliases:
+                errors.append(f"{name!r} is tied to {self.tied_aliases[name]!r}: update it under that name")
+            elif p is None:
                 errors.append(f"unknown parameter {name!r}")
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
                 errors.append(f"{name}: shape {tuple(getattr(t, 'shape', ()))} != {tuple(p.shape)}")

@@ -217,7 +217,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         except Exception:
             return  # malformed JSON: the body validation answers 400 with the parser's message
         params = body.get("params") if isinstance(body, dict) else None
-        cap = len(engine.param_specs())
+        # tied aliases count: a list naming them too gets the 400 that names the canonical name, not a 413
+        cap = len(engine.param_specs()) + len(getattr(engine, "tied_aliases", None) or {})
         if isinstance(params, list) and len(params) > cap:
             raise HTTPException(413, f"'params' lists {len(params)} tensors; the model has {cap} parameters")
 
@@ -264,6 +265,10 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
     def render_chat(msgs: tuple[tuple[str, str], ...], add_generation_prompt: bool) -> tuple[int, ...]:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {engine.model_name!r} has no chat template, so chat messages cannot be rendered: "
+                             "use /v1/completions with a prompt, or serve a chat model (or add chat_template.jinja "
+                             "to the model folder)", "messages")
         try:
             ids = engine.tokenizer.apply_chat_template(
                 [{"role": r, "content": c} for r, c in msgs], add_generation_prompt=add_generation_prompt,

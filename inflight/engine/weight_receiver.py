@@ -2,8 +2,8 @@
 receive it (one broadcast per tensor from rank 0, or a safetensors file), and hand it to the engine all at once.
 
 Rules (docs/inference-contract.md): an announcement is checked against `engine.param_specs()` before anything is
-received — unknown name, wrong shape, wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing
-changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers while the engine
+received — unknown name, a tied alias (the shared tensor travels once, under its canonical name), wrong shape,
+wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers while the engine
 keeps generating; the engine then swaps them in with one `load_weights` call inside `run_paused` (the only pause),
 so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
@@ -42,14 +42,21 @@ class WeightUpdateError(ValueError):
         self.status = status
 
 
-def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Raise WeightUpdateError naming every problem of the announced list (empty list of problems = fine)."""
+def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 aliases: dict[str, str] | None = None) -> None:
+    """Raise WeightUpdateError naming every problem of the announced list (empty list of problems = fine).
+    `aliases`: {alias: canonical name} of tied parameters (contracts.tied_aliases); an alias is refused with a
+    message naming the one name the shared tensor travels under."""
     problems, seen = [], set()
     for p in params:
         if p.name in seen:
             problems.append(f"duplicate tensor {p.name!r}")
             continue
         seen.add(p.name)
+        if aliases and p.name in aliases:
+            problems.append(f"{p.name!r} is tied to {aliases[p.name]!r} (one tensor): send it once, under "
+                            f"{aliases[p.name]!r}, and leave out {p.name!r}")
+            continue
         if p.name not in specs:
             problems.append(f"unknown tensor {p.name!r}")
             continue
@@ -71,7 +78,8 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
         raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
 
 
-def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  aliases: dict[str, str] | None = None) -> None:
     infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES.get(t.dtype, "float32")) for n, t in
              tensors.items()]
     bad_dtype = [n for n, t in tensors.items() if t.dtype not in DTYPE_NAMES]
@@ -79,7 +87,7 @@ def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple
         raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad_dtype[:5]}")
     if not infos:
         raise WeightUpdateError("weight update rejected: the file holds no tensors")
-    check_params(infos, specs)
+    check_params(infos, specs, aliases)
 
 
 class WeightReceiver:
@@ -87,6 +95,7 @@ class WeightReceiver:
 
     def __init__(self, engine: Any, device: str = "cpu", reject_nonfinite: bool = True):
         self.engine = engine
+        self.aliases: dict[str, str] = getattr(engine, "tied_aliases", None) or {}  # refused, named in the 400
         self.device = device
         self.reject_nonfinite = reject_nonfinite
         self.group: Any = None
@@ -119,7 +128,7 @@ class WeightReceiver:
         if req.params is not None:
             if self.group is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
-            check_params(req.params, self.engine.param_specs())
+            check_params(req.params, self.engine.param_specs(), self.aliases)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
@@ -130,7 +139,7 @@ class WeightReceiver:
             t0 = time.perf_counter()
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
-                check_tensors(tensors, self.engine.param_specs())
+                check_tensors(tensors, self.engine.param_specs(), self.aliases)
                 if self.reject_nonfinite:
                     check_finite(tensors)
                 read_s = time.perf_counter() - t0

@@ -41,6 +41,9 @@ def check_config(cfg: Any) -> None:
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
     if not Path(cfg.model.path).exists():
         raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
+    from inflight.modelkit.check import check_model_dir
+
+    check_model_dir(cfg.model.path, need_chat_template=True)  # every task sends chat messages
 
 
 def actor_config_for(cfg: Any) -> Any:

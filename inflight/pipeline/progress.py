@@ -42,6 +42,13 @@ class Progress:
                 if r.get("truncated_frac") is not None:
                     self.state["trunc"] = f"{100 * r['truncated_frac']:.0f}%"
             elif ev == "eval" and r.get("accuracy") is not None:
+                if r.get("base"):  # the starting weights, measured before any rollout
+                    self.state["base"] = f"{100 * r['accuracy']:.1f}%"
+                    if self.enabled:
+                        from tqdm import tqdm
+
+                        tqdm.write(f"base model held-out accuracy: {100 * r['accuracy']:.1f}% "
+                                   f"({r.get('num_problems')} problems, before RL)")
                 self.state["acc"] = f"{100 * r['accuracy']:.1f}%"
         bar = self._bar()
         if bar is None:

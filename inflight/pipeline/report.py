@@ -84,6 +84,8 @@ def summary(run: Run) -> dict[str, Any]:
         "steps": len(steps),
         "samples": steps[-1].get("samples_total", 0) if steps else 0,
         "wall_s": round((done[-1]["time"] if done else run.records[-1]["time"]) - run.t0, 1),
+        "base_accuracy": next((100.0 * float(r["accuracy"]) for r in run.events("eval")
+                               if r.get("base") and r.get("accuracy") is not None), None),
         "first_accuracy": evals[0] if evals else None,
         "last_accuracy": evals[-1] if evals else None,
         "best_accuracy": max(evals) if evals else None,

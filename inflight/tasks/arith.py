@@ -1,4 +1,5 @@
-"""`arith`: integer arithmetic problems generated from a seed, answered in `\\boxed{...}`.
+"""`arith`: integer arithmetic problems generated from a seed, answered in `\\boxed{...}` (or, with
+`answer_format: last_number`, as the last number of the reply).
 
 Difficulty: operands are drawn uniformly from [0, 10**digits) (so they have 1..digits digits), `terms` operands,
 operators drawn from `operators` (+, -, *; usual precedence). The held-out split is the first `eval_size` distinct
@@ -19,7 +20,7 @@ import re
 from typing import Iterator
 
 from inflight.contracts import TaskSample, Verification
-from inflight.tasks.answer import final_boxed, graded, unanswered
+from inflight.tasks.answer import check_answer_format, extract_answer, graded, unanswered
 from inflight.tasks.config import TaskConfig
 
 OPERATORS = ("+", "-", "*")
@@ -114,6 +115,7 @@ class ArithTask:
             raise ValueError(f"arith: terms must be >= 2, got {cfg.terms}")
         if cfg.eval_size < 0:
             raise ValueError(f"arith: eval_size must be >= 0, got {cfg.eval_size}")
+        check_answer_format(cfg.answer_format)
         self.cfg = cfg
         self._eval = self._make_eval()
         self._eval_exprs = {s.meta["expr"] for s in self._eval}
@@ -129,10 +131,13 @@ class ArithTask:
             question = self.cfg.prompt.replace("{expr}", expr)
         else:
             ask = "Work step by step, then put the answer in \\boxed{}." if self.cfg.scratchpad else "Answer in \\boxed{}."
+            if self.cfg.answer_format == "last_number":
+                ask = "Work step by step; end with the answer." if self.cfg.scratchpad else "Answer with the number only."
             question = f"What is {expr}? {ask}"
+        system = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
         return TaskSample(
             id=sid,
-            messages=[{"role": "user", "content": question}],
+            messages=[*system, {"role": "user", "content": question}],
             answer=str(evaluate(nums, ops)),
             meta={"expr": expr},
         )
@@ -184,8 +189,9 @@ class ArithTask:
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
         """Correct: one `\\boxed{integer}` equal to the answer, with nothing but whitespace after it (strict: a tiny
-        model that learns to append junk, or to hedge with a second box, earns nothing; see tasks/answer.py)."""
-        boxed = final_boxed(completion)
+        model that learns to append junk, or to hedge with a second box, earns nothing; see tasks/answer.py), or with
+        `answer_format: last_number`, a finished reply whose last number is the answer."""
+        boxed = extract_answer(completion, self.cfg.answer_format, finish_reason)
         if boxed is None:
             return unanswered(finish_reason)
         m = _INT.match(boxed)

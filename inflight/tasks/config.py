@@ -12,6 +12,9 @@ class TaskConfig:
     operators: list[str] = field(default_factory=lambda: ["+"])
     scratchpad: bool = False  # step-by-step solutions (generation-heavy variant; terms then vary in 2..terms)
     prompt: str = ""  # arith question template with {expr}; "" = "What is {expr}? Answer in \\boxed{}." (or step by step)
+    # how the reply's answer is read (arith): boxed = the last \\boxed{...}; last_number = the last number of the
+    # reply, what small instruct models write ("2 + 7 = 9"); its default question then asks for the number only
+    answer_format: str = "boxed"
     # math_jsonl
     path: str = ""  # .jsonl or .parquet
     question_field: str = "question"
@@ -19,4 +22,4 @@ class TaskConfig:
     eval_path: str = ""  # held-out file; empty = hold out the last eval_size rows of `path`
     # reasoning_gym
     dataset: str = ""  # a reasoning-gym dataset name, e.g. "basic_arithmetic"
-    system_prompt: str = ""
+    system_prompt: str = ""  # every task: a system message before the question ("" = none: the chat template's default)

@@ -64,6 +64,8 @@ class MathJsonlTask:
     def __init__(self, cfg: TaskConfig):
         if not cfg.path:
             raise ValueError("math_jsonl: set task.path to a .jsonl or .parquet file")
+        if cfg.answer_format != "boxed":  # its prompts ask for \boxed{}
+            raise ValueError(f"math_jsonl: task.answer_format must be 'boxed', got {cfg.answer_format!r}")
         self.cfg = cfg
         rows = self._samples(load_rows(cfg.path), "train")
         if cfg.eval_path:

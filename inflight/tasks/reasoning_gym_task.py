@@ -35,6 +35,8 @@ class ReasoningGymTask:
     def __init__(self, cfg: TaskConfig):
         from reasoning_gym.factory import DATASETS
 
+        if cfg.answer_format != "boxed":  # its prompts ask for \boxed{}
+            raise ValueError(f"reasoning_gym: task.answer_format must be 'boxed', got {cfg.answer_format!r}")
         if cfg.dataset in UNSUPPORTED:
             raise ValueError(f"reasoning_gym: dataset '{cfg.dataset}' is not supported: {UNSUPPORTED[cfg.dataset]}")
         if cfg.dataset not in DATASETS:

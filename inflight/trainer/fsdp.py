@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from inflight.contracts import tied_aliases
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, load_model
@@ -92,7 +93,11 @@ class FSDP2Trainer(SingleDeviceTrainer):
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-            model.load_state_dict(state)
+            result = model.load_state_dict(state, strict=False)  # named_weights omits tied aliases
+            missing = set(result.missing_keys) - set(tied_aliases(model))
+            if missing or result.unexpected_keys:
+                raise RuntimeError(f"save: weights do not fit the model (missing {sorted(missing)[:5]}, "
+                                   f"unexpected {result.unexpected_keys[:5]})")
             model.save_pretrained(out_dir)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)

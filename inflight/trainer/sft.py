@@ -26,7 +26,7 @@ from tqdm import tqdm
 from inflight.contracts import Sample, TaskSample, TrainBatch
 from inflight.tasks import get_task
 from inflight.tasks.config import TaskConfig
-from inflight.tasks.greedy import greedy_accuracy
+from inflight.modelkit.greedy import greedy_accuracy
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 

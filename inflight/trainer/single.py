@@ -158,9 +158,11 @@ class SingleDeviceTrainer:
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) in state_dict order, detached, in the model's dtype (tied weights appear under
-        every name the state_dict lists). A sharded tensor is gathered one parameter at a time (collective)."""
-        for name, tensor in self._require_init().state_dict().items():
+        """(HF name, tensor) of every parameter, detached, in the model's dtype. Names are `named_parameters()`'s:
+        a tied tensor (lm_head.weight of a tie_word_embeddings model) comes once, under its canonical name, as the
+        weight-update contract wants (`state_dict()` would list the alias too). A sharded tensor is gathered one
+        parameter at a time (collective)."""
+        for name, tensor in self._require_init().named_parameters():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
 

@@ -254,6 +254,9 @@ def test_run_actor_entry_point_stops_at_pipeline_limits(server, weights_file):
     assert final["actor/groups_completed"] == 6 and final["actor/groups_failed"] == 0 and final["failures"] == []
     evals = [e for e in events if e["kind"] == "eval"]
     assert evals and all(e["num_problems"] == 8 for e in evals)
+    # the base model first, before any rollout: every scored token from the starting weights
+    assert evals[0]["base"] and evals[0]["version_min"] == evals[0]["version_max"] == 0
+    assert not any(e["base"] for e in evals[1:])
     assert events[-1]["kind"] == "actor" and events[-1]["actor/samples"] == 6 * 3
 
 

@@ -3,7 +3,7 @@
     pytest tests/conformance --server-url http://host:port [--server-api-key KEY]
     INFLIGHT_SERVER_URL=http://host:port pytest tests/conformance
 
-Without a URL it starts `inflight serve` on the tiny test model in a subprocess.
+Without a URL it starts `inflight serve` in a subprocess, on the tiny test model and (slow) on SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -27,17 +27,21 @@ def _opt(config, name: str, env: str) -> str | None:
     return value or os.environ.get(env) or None
 
 
-@pytest.fixture(scope="session")
-def server(request, tiny_model_dir):
-    """(base url, api key) of the server under test."""
+@pytest.fixture(scope="session", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def server(request):
+    """(base url, api key) of the server under test: --server-url, or `inflight serve` on the tiny test model and
+    then on SmolLM2-135M-Instruct (a real pretrained model: tied embeddings, BPE vocabulary, chat template)."""
     url = _opt(request.config, "--server-url", "INFLIGHT_SERVER_URL")
     key = _opt(request.config, "--server-api-key", "INFLIGHT_SERVER_API_KEY")
     if url:
+        if request.param != "tiny":
+            pytest.skip("--server-url: the suite runs once, against that server")
         yield url.rstrip("/"), key
         return
     from inflight.engine.serve import ServerProcess
 
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "256", "--max-batch", "32"],
+    model = request.getfixturevalue("tiny_model_dir" if request.param == "tiny" else "smollm2_dir")
+    with ServerProcess(str(model), extra_args=["--max-model-len", "256", "--max-batch", "32"],
                        env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc.url, None
 

@@ -440,10 +440,13 @@ def gpt2_dir(tiny_model_dir, tmp_path_factory):
     return out
 
 
-def test_generic_hf_path_matches(gpt2_dir):
-    eng = fresh_engine(gpt2_dir, max_tokens_per_step=32)
+def test_generic_hf_path_matches(gpt2_dir, caplog):
+    with caplog.at_level("WARNING", logger="inflight.engine.core"):
+        eng = fresh_engine(gpt2_dir, max_tokens_per_step=32)
     ref = AutoModelForCausalLM.from_pretrained(gpt2_dir, dtype=torch.float32).double().eval()
     assert not eng.fast_path
+    said = [r.getMessage() for r in caplog.records if r.name == "inflight.engine.core"]
+    assert len(said) == 1 and "model_type 'gpt2'" in said[0] and "generic HF forward" in said[0], said
 
     async def main():
         return await asyncio.gather(*[collect(eng, f"h{i}", p, SamplingParams(max_tokens=10, ignore_eos=True, n=2))

@@ -53,6 +53,8 @@ def check_common(run: Path, max_steps: int) -> list[dict]:
     for k in (0, 1):
         versions = [r["weight_version"] for r in records(run, "server_metrics") if r["server"] == k]
         assert versions[-1] == max_steps and versions == sorted(versions) and len(set(versions)) >= 2
+    base = records(run, "eval")[0]  # the starting weights, evaluated before RL (all tokens version 0)
+    assert base.get("base") and base["version_max"] == 0 and 0.0 <= base["accuracy"] <= 1.0
     final = [r for r in records(run, "eval") if r.get("final")]
     assert len(final) == 1 and final[0]["version_min"] == max_steps and 0.0 <= final[0]["accuracy"] <= 1.0
     roles = {json.loads(line)["role"] for line in (run / "metrics.jsonl").read_text().splitlines()}

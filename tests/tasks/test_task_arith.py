@@ -118,3 +118,33 @@ def test_negative_answers_compare_exactly():
 def test_unknown_task_name():
     with pytest.raises(ValueError, match="arith"):
         get_task(TaskConfig(name="arithmetic"))
+
+
+def test_last_number_answer_format_reads_what_small_instruct_models_write():
+    from inflight.tasks.answer import last_number
+
+    assert [last_number(t) for t in ("2 + 7 = 9", "The sum is 12.", "3 - 8 = -5", "1,234", "x = 3.5", "none")] == \
+        ["9", "12", "-5", "1234", "3.5", None]
+    task = get_task(TaskConfig(digits=1, eval_size=10, answer_format="last_number",
+                               system_prompt="You are a calculator."))
+    s = task.eval_samples()[0]
+    assert s.messages[0] == {"role": "system", "content": "You are a calculator."}
+    assert s.messages[1]["content"].endswith("Answer with the number only.") and "boxed" not in s.messages[1]["content"]
+    a, b = map(int, s.meta["expr"].split("+"))
+    assert task.verify(f"{a} + {b} = {a + b}", s).label == Verdict.correct
+    assert task.verify(f"\\boxed{{{a + b}}}", s).label == Verdict.correct
+    assert task.verify(f"{a} + {b} = {a + b + 1}", s).label == Verdict.wrong
+    assert task.verify("I do not know.", s).label == Verdict.no_answer
+    # cut off by the length limit: the last digits may be missing, so no answer counts
+    assert task.verify(f"{a} + {b} = {a + b}", s, "length").label == Verdict.truncated
+    # the boxed default reads only the box and has no system message unless asked
+    boxed = get_task(TaskConfig(digits=1, eval_size=10))
+    assert [m["role"] for m in boxed.eval_samples()[0].messages] == ["user"]
+    assert boxed.verify(f"{a} + {b} = {a + b}", s).label == Verdict.no_answer
+
+
+def test_unknown_answer_format_is_a_clear_error():
+    with pytest.raises(ValueError, match="answer_format must be one of"):
+        get_task(TaskConfig(answer_format="last_word"))
+    with pytest.raises(ValueError, match="answer_format must be 'boxed'"):
+        get_task(TaskConfig(name="math_jsonl", path="x.jsonl", answer_format="last_number"))

@@ -43,6 +43,7 @@ def main(model_dir: str, out: str) -> None:
         acc.add(samples[mine][3:], adv[mine][3:])
         stats.append(acc.finish())
     weights = {n: w.clone() for n, w in t.named_weights()}
+    t.save(os.path.splitext(out)[0] + ".saved")  # collective; rank 0 writes the HF folder
     if t.rank == 0:
         torch.save({"weights": weights, "stats": stats, "version": t.version}, out)
     torch.distributed.destroy_process_group()

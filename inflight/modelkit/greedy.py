@@ -15,9 +15,12 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSam
     """Share of `samples` whose greedy completion the task labels correct."""
     import torch
 
+    from inflight.modelkit.stops import stop_token_ids
+
     was_training = model.training
     model.eval()
     correct = 0
+    stops = sorted(stop_token_ids(model.config, model.generation_config, tokenizer))  # as the engine stops
     try:
         for start in range(0, len(samples), batch_size):
             chunk = samples[start : start + batch_size]
@@ -27,11 +30,11 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSam
                             return_tensors="pt").to(model.device)
             with torch.no_grad():
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
-                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
             for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
-                finish = "stop" if tokenizer.eos_token_id in ids else "length"
+                finish = "stop" if any(t in stops for t in ids) else "length"
                 if finish == "stop":  # generate pads after the end; the reply is what came before it
-                    ids = ids[: ids.index(tokenizer.eos_token_id)]
+                    ids = ids[: next(i for i, t in enumerate(ids) if t in stops)]
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 correct += finish == "stop" and task.verify(text, s, finish).label == Verdict.correct
     finally:
