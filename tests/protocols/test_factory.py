@@ -59,3 +59,27 @@ def test_weight_backend_and_transport_reach_the_client():
                        (["trainer.protocol=vllm", "trainer.weight_backend=gloo"], "vLLM's own NCCL")):
         with pytest.raises(ValueError, match=match):
             make_weight_sync(load_config(RunConfig, overrides=bad), URLS)
+
+
+def test_the_communicator_is_built_on_the_trainers_device(monkeypatch):
+    """vLLM's trainer_init takes torch.accelerator.current_device_index(), and it runs on a helper thread, which
+    starts on device 0: the thread makes trainer.device current first (recorded through torch.cuda.set_device)."""
+    import threading
+
+    import torch
+
+    from inflight.trainer.protocols.common import Broadcaster
+
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(("set_device", str(d))))
+
+    def sender(address, port, world_size, store):
+        events.append(("sender", threading.current_thread().name))
+        return Broadcaster()
+
+    client = VLLMWeightSync(URLS, make_sender=sender, device="cuda:2", timeout_s=5)
+    try:
+        client.host_group(lambda: [], lambda store: client.make_sender("127.0.0.1", 1, 3, store), host_store=False)
+    finally:
+        client.close()
+    assert events == [("set_device", "cuda:2"), ("sender", "weight-group")]
