@@ -125,13 +125,12 @@ class WeightReceiver:
 
     # ---- updates ----------------------------------------------------------------------------------------------
     def validate(self, req: WeightUpdateRequest) -> None:
-        if req.shm is not None:
-            check_params(req.params or [], self.engine.param_specs())
-            check_shm(req)
-        elif req.params is not None:
-            if self.group is None:
+        if req.params is not None:
+            if self.group is None and req.shm is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
             check_params(req.params, self.engine.param_specs())
+            if req.shm is not None:
+                check_shm(req)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""

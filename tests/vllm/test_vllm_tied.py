@@ -7,7 +7,6 @@ the shm transport's segment is checked. Logprobs are compared with a float64 tra
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
-from tests.vllm.conftest import VLLM_PYTHON
+from tests.vllm.conftest import VLLM_PYTHON, build_vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not (VLLM_PYTHON and os.path.exists(VLLM_PYTHON)),
@@ -25,18 +24,7 @@ PROMPT = [5, 9, 14, 22, 7, 30]
 
 @pytest.fixture(scope="module")
 def tied_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tied_model")
-    for f in Path(tiny_model_dir).iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, cfg.hidden_size // 2  # vLLM CPU kernels
-    cfg.tie_word_embeddings = True
-    torch.manual_seed(3)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
+    return build_vllm_model(tiny_model_dir, tmp_path_factory.mktemp("tied_model"), tied=True, seed=3)
 
 
 @pytest.fixture(scope="module")
