@@ -23,6 +23,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import uuid
 import warnings
@@ -61,16 +62,21 @@ def check_segment(path: str, size: int, version: int, data_bytes: int, digest: b
         raise ShmError(f"shm segment size {size} != header {SHM_HEADER_BYTES} + the announced tensors' "
                        f"{data_bytes} bytes (shm_layout)")
     try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
-            raw = f.read(_HEADER.size)
+        st = os.stat(path)
     except FileNotFoundError:
         raise ShmError(f"no shm segment {path!r} on this server's host: the shm transport needs the trainer and the "
                        "server on one host (use trainer.weight_transport=process_group across hosts)") from None
     except OSError as e:
         raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
-    if actual != size:
-        raise ShmError(f"shm segment {path!r} has {actual} bytes, the announcement says {size}")
+    if not stat.S_ISREG(st.st_mode):  # never open a FIFO or a device: reading one could block or never end
+        raise ShmError(f"shm segment {path!r} is not a regular file")
+    if st.st_size != size:
+        raise ShmError(f"shm segment {path!r} has {st.st_size} bytes, the announcement says {size}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEADER.size)
+    except OSError as e:
+        raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
     magic, fmt, _, got_version, got_bytes, got_digest = _HEADER.unpack(raw)
     if magic != SHM_MAGIC:
         raise ShmError(f"{path!r} is not a complete inflight weight segment (bad magic: being written, or not one)")

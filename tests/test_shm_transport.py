@@ -37,7 +37,7 @@ def hf(tiny_model_dir):
 
 
 @pytest.fixture()
-def shm(servers, tmp_path):
+def shm(servers):
     c = WeightSyncClient([s.url for s in servers], transport="shm", timeout_s=60)
     yield c
     c.close()
@@ -67,7 +67,7 @@ def test_one_segment_reaches_every_server_and_is_reused(servers, hf, shm):
     assert not os.path.exists(shm._shm.path or "/nonexistent")
 
 
-def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm):
+def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm, tmp_path):
     url = servers[0].url
     shm.push(perturbed(hf, seed=5).items(), version=5)
     ref = fingerprint(url)
@@ -86,6 +86,9 @@ def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm):
     refused({**body, "shm": {"path": seg, "bytes": os.path.getsize(seg) + 64}}, "header 4096 + the announced")
     refused({**body, "shm": {"path": "/dev/shm/inflight-no-such-segment", "bytes": body["shm"]["bytes"]}},
             "trainer.weight_transport=process_group")
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)  # opening it would block the server: refused from its file type
+    refused({**body, "shm": {"path": fifo, "bytes": body["shm"]["bytes"]}}, "not a regular file")
     with open(seg, "r+b") as f:  # a segment being written: its header is invalid until the data is complete
         f.write(b"\0" * 8)
     refused(body, "not a complete inflight weight segment")
