@@ -152,7 +152,7 @@ class WeightReceiver:
                 ntensors = len(tensors)
 
                 def apply() -> float:
-                    p0 = time.perf_counter()
+                    p0 = started[0] = time.perf_counter()
                     self.engine.load_weights(tensors, req.version, req.mode)
                     return time.perf_counter() - p0
             else:
@@ -167,18 +167,19 @@ class WeightReceiver:
                     check_finite(received)
 
                 def apply() -> float:
-                    p0 = time.perf_counter()
+                    p0 = started[0] = time.perf_counter()
                     self.engine.load_weights(received, req.version, req.mode)
                     return time.perf_counter() - p0
 
+            started, asked = [0.0], time.perf_counter()
             pause_s = await self.engine.run_paused(apply)
         self.updates += 1
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s}
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
-        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs%s",
-                 req.version, transport, ntensors, nbytes / 1e6, req.mode, pause_s, total_s,
-                 "" if transport == "broadcast" else f" (read {read_s:.3f}s)")
+        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (%swaited %.3fs "
+                 "for a step boundary)", req.version, transport, ntensors, nbytes / 1e6, req.mode, pause_s, total_s,
+                 "" if transport == "broadcast" else f"read {read_s:.3f}s, ", started[0] - asked)
         return {"version": req.version, "pause_s": pause_s}
 
     def _map_shm(self, req: WeightUpdateRequest) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ bucket) and staged in pinned host memory, kept for the next update of the same l
 the host. So an update needs one bucket of GPU memory, not a second copy of the model (which at vLLM's default
 gpu_memory_utilization 0.9 does not fit for a 7B model). `staging="device"` stages on the GPU instead: a shorter
 pause (no host-to-GPU copy in it) for a model's worth of free GPU memory (lower --gpu-memory-utilization by the
-model's size). A shared-memory segment is staged as views of the mapped segment (no copy until the apply).
+model's size). A shared-memory segment is staged as views of the mapped segment on a GPU (the apply copies them to
+the GPU); on CPU as a copy made before the pause (vLLM's CPU reload keeps the tensors it is given).
 
 Tied embeddings: the update carries the embedding once (`model.embed_tokens.weight`); vLLM loads it into the one
 parameter both modules share, and on CPU the prepacked lm_head is rebuilt from it after every reload.
@@ -127,13 +128,13 @@ class InflightWorkerExtension:
         if via_host:
             torch.cuda.current_stream(device).synchronize()
             finite = not sums or bool(torch.isfinite(torch.stack(sums).sum()))  # one sync for the whole update
-        self._inflight_stage(staged, borrowed=via_host, finite=finite)
+        self._inflight_stage(staged, finite=finite)
         return len(staged)
 
     def inflight_stage_file(self, path: str) -> int:
         from safetensors.torch import load_file
 
-        self._inflight_stage(load_file(path, device="cpu"), borrowed=False)
+        self._inflight_stage(load_file(path, device="cpu"))
         return len(self._inflight_staged)
 
     def inflight_stage_shm(self, path: str, entries: list[list[Any]]) -> int:
@@ -142,19 +143,22 @@ class InflightWorkerExtension:
         mapping = getattr(self, "_inflight_shm", None)
         if mapping is None:
             mapping = self._inflight_shm = ShmMapping()
-        self._inflight_stage(mapping.tensors(path, [tuple(e) for e in entries]), borrowed=True)
+        views = mapping.tensors(path, [tuple(e) for e in entries])
+        if self._inflight_device().type == "cpu":  # the reload keeps what it is given: copy now, before the pause
+            views = {n: t.clone() for n, t in views.items()}
+        self._inflight_stage(views)
         return len(self._inflight_staged)
 
-    def _inflight_stage(self, staged: dict[str, torch.Tensor], borrowed: bool, finite: bool | None = None) -> None:
-        """Keep `staged` for inflight_apply once it is finite (`finite`: already checked on the way in).
-        `borrowed`: views of memory reused by later updates (host buffers, the shm segment), copied when they must
-        outlive this update (the CPU shadow)."""
-        self._inflight_staged, self._inflight_borrowed = {}, False
+    def _inflight_stage(self, staged: dict[str, torch.Tensor], finite: bool | None = None) -> None:
+        """Keep `staged` for inflight_apply once it is finite (`finite`: already checked on the way in). On a GPU
+        they may be views of memory later updates reuse (host buffers, the shm segment): the apply copies them into
+        the model; on CPU they are the worker's own (the shadow checkpoint keeps them)."""
+        self._inflight_staged = {}
         bad = [] if finite else nonfinite(staged)
         if bad:
             more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
             raise ValueError(f"weight update rejected: {NONFINITE} {bad[:5]}{more}; nothing applied")
-        self._inflight_staged, self._inflight_borrowed = staged, borrowed
+        self._inflight_staged = staged
 
     def inflight_drop_staged(self) -> None:
         self._inflight_staged = {}
@@ -169,13 +173,13 @@ class InflightWorkerExtension:
             raise RuntimeError("nothing staged")
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         if next(model.parameters()).device.type == "cpu":
-            self._inflight_apply_cpu(staged, getattr(self, "_inflight_borrowed", False))
+            self._inflight_apply_cpu(staged)
         else:
             model.load_weights(staged.items())  # in place (host tensors: copied to the GPU); a subset is fine
         self._inflight_staged = {}
         return time.perf_counter() - t0
 
-    def _inflight_apply_cpu(self, staged: dict[str, torch.Tensor], borrowed: bool) -> None:
+    def _inflight_apply_cpu(self, staged: dict[str, torch.Tensor]) -> None:
         """vLLM's CPU linears are prepacked, so a plain `load_weights` does not reach the kernels: reload the
         whole model through vLLM's layerwise reload. A partial update is merged into a shadow copy of the full
         checkpoint first (a reload with missing tensors would leave layers on the meta device)."""
@@ -183,11 +187,7 @@ class InflightWorkerExtension:
         if shadow is None:
             shadow = self._inflight_shadow = _read_checkpoint(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         for name, t in staged.items():
-            old = shadow.get(name)
-            if borrowed and old is not None and old.shape == t.shape and old.dtype == t.dtype:
-                old.copy_(t)  # the staged memory is reused by later updates: keep a copy of our own
-            else:
-                shadow[name] = t.to("cpu").clone() if borrowed else t.to("cpu")
+            shadow[name] = t.to("cpu")
         self.model_runner.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
         hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         if getattr(hf, "tie_word_embeddings", False):  # the prepacked lm_head would keep the OLD weights
