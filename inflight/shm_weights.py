@@ -27,6 +27,7 @@ import stat
 import struct
 import uuid
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -148,6 +149,7 @@ class ShmWriter:
         self.directory = directory
         self.path: str | None = None
         self._size = 0
+        self._finalizer: weakref.finalize | None = None
         self._mm: mmap.mmap | None = None
         self._data: torch.Tensor | None = None
 
@@ -186,6 +188,9 @@ class ShmWriter:
         os.close(fd)
         self.path, self._size = path, size
         self._data = _bytes_view(self._mm)[SHM_HEADER_BYTES:]
+        # a writer dropped without discard(), or an interpreter that exits, still removes the file (it is memory);
+        # only a killed process leaves one behind (its pid is in the name)
+        self._finalizer = weakref.finalize(self, _unlink, path)
 
     def discard(self) -> None:
         """Remove the segment (a server still mapping it keeps its pages until it lets go)."""
@@ -196,9 +201,14 @@ class ShmWriter:
                 mm.close()
             except BufferError:
                 pass
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._finalizer is not None:
+            self._finalizer()  # unlinks now, once
+            self._finalizer = None
         self.path, self._size = None, 0
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -139,3 +139,23 @@ def test_fused_finite_check(monkeypatch):
     pos[0], neg[0] = float("inf"), float("-inf")
     with pytest.raises(WeightUpdateError, match=r"\['p', 'n'\]"):
         check_finite({"p": pos, "n": neg})
+
+
+def test_a_segment_does_not_outlive_its_writer(tmp_path):
+    """/dev/shm is memory: a writer dropped without close() (or at interpreter exit) removes its file."""
+    import gc
+
+    w = ShmWriter(str(tmp_path))
+    w.write([("w", torch.ones(4))], ["float32"], [0], 16, 1, b"\0" * 32)
+    path = w.path
+    assert os.path.exists(path)
+    del w
+    gc.collect()
+    assert not os.path.exists(path)
+    w = ShmWriter(str(tmp_path))
+    w.write([("w", torch.ones(4))], ["float32"], [0], 16, 1, b"\0" * 32)
+    first = w.path
+    w.write([("w", torch.ones(8))], ["float32"], [0], 32, 2, b"\0" * 32)  # another size: another file
+    assert w.path != first and not os.path.exists(first)
+    w.discard()
+    assert os.listdir(tmp_path) == []
