@@ -117,7 +117,7 @@ class WeightSyncClient:
         self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
-        self.device = _cuda_device(device)
+        self.device = cuda_device(device)
         self._shm = ShmWriter(self.shm_dir) if transport == "shm" else None
         self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
@@ -411,7 +411,7 @@ class WeightSyncClient:
             self._shm.discard()
 
 
-def _cuda_device(device: str | torch.device | None) -> torch.device | None:
+def cuda_device(device: str | torch.device | None) -> torch.device | None:
     """The CUDA device the helper threads make current (None on CPU); "cuda" alone: the caller's current one."""
     if device is None:
         return None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import httpx
 import torch
 
-from inflight.trainer.weight_sync import (DTYPE_NAMES, DTYPES, WeightSyncError, _cuda_device, free_port, on_device,
+from inflight.trainer.weight_sync import (DTYPE_NAMES, DTYPES, WeightSyncError, cuda_device, free_port, on_device,
                                           unique_tensors)
 
 
@@ -83,7 +83,7 @@ class ProtocolClient:
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.timeout_s = backend, timeout_s
         self.dtype = DTYPES[dtype] if dtype else None
-        self.device = _cuda_device(device)  # made current on the threads that build and drive the group
+        self.device = cuda_device(device)  # made current on the threads that build and drive the group
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.pool = cf.ThreadPoolExecutor(max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="weight-sync")
