@@ -12,9 +12,10 @@ transport in turn, `--pushes` times each: the gloo process group with one broadc
 with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safetensors file under /dev/shm (`file`),
 and the shared-memory segment (`shm`). Per push it records: the push's wall time (announce + transfer + the server's
 answer), the server's own paused seconds, and the time until the streaming request's first token tagged with the new
-version arrives ("until generating"); pushes are `--gap-s` apart, as between optimizer steps. The baseline is a memory copy of the same bytes in this process into buffers
-that already exist (a `memcpy`; a copy into fresh memory, `clone`, pays the page faults too and is printed beside
-it). The goal for the shm transport: push <= 2 x memory copy + 0.1 s. Medians and min-max are printed.
+version arrives ("until generating"); pushes are `--gap-s` apart, as between optimizer steps. The baseline is a
+memory copy of the same bytes in this process into buffers that already exist (a `memcpy`; a copy into fresh
+memory, `clone`, pays the page faults too and is printed beside it). The goal for the shm transport: push <= 2 x
+memory copy + 0.1 s. Medians and min-max are printed.
 """
 
 from __future__ import annotations

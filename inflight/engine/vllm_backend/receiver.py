@@ -3,8 +3,9 @@ against the checkpoint's names and shapes and the served dtype; the transfer its
 (worker_ext.py), driven with `collective_rpc`.
 
 An update: validate (400/409 before anything is received) → [file / shm: each worker reads it or maps the segment
-and checks it for NaN/Inf while generation continues] → `pause_generation(mode="keep")` (the engine stops between two steps; requests keep their KV cache) → workers
-receive the broadcasts into fresh buffers and load them all at once → interrupt mode: `reset_prefix_cache(
+and checks it for NaN/Inf while generation continues] → `pause_generation(mode="keep")` (the engine stops between
+two steps; requests keep their KV cache) → workers receive the broadcasts (staged, checked for NaN/Inf) and load
+them all at once → interrupt mode: `reset_prefix_cache(
 reset_running_requests=True)` preempts every running request, so its KV cache is recomputed with the new weights
 (prompt + tokens so far) before its next token → the engine's weight version is set (every later step's tokens
 carry it) → `resume_generation()`. A NaN or Inf in the update is a 400 and nothing is applied (the workers check

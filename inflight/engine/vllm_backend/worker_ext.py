@@ -53,7 +53,8 @@ class InflightWorkerExtension:
         hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         return {"dtype": DTYPE_NAMES.get(dtype, str(dtype)), "device": str(next(model.parameters()).device.type),
-                "tied": bool(getattr(hf, "tie_word_embeddings", False)), "rank": int(self.rank)}  # type: ignore[attr-defined]
+                "tied": bool(getattr(hf, "tie_word_embeddings", False)),
+                "rank": int(self.rank)}  # type: ignore[attr-defined]
 
     # ---- process group (joined in a thread, so the engine keeps generating while the trainer gathers ranks) ----
     def inflight_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
