@@ -53,14 +53,26 @@ class ParamInfo(_Strict):
     dtype: WeightDType
 
 
+class ShmSegment(_Strict):
+    """A shared-memory segment of the same host holding an update (the trainer writes it once, every server on the
+    host copies from it): a file of `bytes` bytes on a memory file system (/dev/shm), a SHM_HEADER_BYTES header
+    (inflight/shm_weights.py: format, weight version, digest of the announcement) then the tensors of `params` at
+    the offsets of `shm_layout`."""
+
+    path: str = Field(min_length=1)
+    bytes: int = Field(gt=0, le=2**44)
+
+
 class WeightUpdateRequest(_Strict):
-    """Announce an update. Exactly one transport: `params` (broadcasts from rank 0, in this order: one per tensor,
-    or with `bucket_bytes` > 0 one per bucket of `bucket_layout`) or `path` (a safetensors file readable on the
-    server's host, e.g. under /dev/shm)."""
+    """Announce an update. Exactly one transport: `params` alone (broadcasts from rank 0, in this order: one per
+    tensor, or with `bucket_bytes` > 0 one per bucket of `bucket_layout`), `params` with `shm` (a shared-memory
+    segment on the server's host), or `path` (a safetensors file readable on the server's host, e.g. under
+    /dev/shm)."""
 
     version: int = Field(ge=0)
     params: list[ParamInfo] | None = None
     path: str | None = None
+    shm: ShmSegment | None = None
     mode: UpdateMode = "keep"
     bucket_bytes: int = Field(default=0, ge=0, le=2**40, description=(
         "0: one broadcast per tensor; > 0: tensors packed into flat byte buffers of at most this size (bucket_layout)"))
@@ -68,7 +80,12 @@ class WeightUpdateRequest(_Strict):
     @model_validator(mode="after")
     def _one_transport(self) -> "WeightUpdateRequest":
         if (self.params is None) == (self.path is None):
-            raise ValueError("give exactly one of 'params' (process-group broadcast) or 'path' (safetensors file)")
+            raise ValueError("give exactly one of 'params' (process-group broadcast or 'shm' segment) or 'path' "
+                             "(safetensors file)")
+        if self.shm is not None and self.params is None:
+            raise ValueError("'shm' needs 'params' (the tensors the segment holds, in order)")
+        if self.shm is not None and self.bucket_bytes:
+            raise ValueError("'bucket_bytes' is for broadcasts; an 'shm' segment has its own layout (shm_layout)")
         if self.params is not None:
             dup = {n for n, k in Counter(p.name for p in self.params).items() if k > 1}
             if dup:
@@ -99,6 +116,14 @@ def bucket_layout(params: list[ParamInfo], bucket_bytes: int) -> list[list[tuple
         buckets[-1].append((i, start))
         end = start + nbytes
     return buckets
+
+
+def shm_layout(params: list[ParamInfo]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors in a shared-memory segment's data (after its header), in announced order, each at
+    the next multiple of BUCKET_ALIGN, and the data's size: the layout of one bucket that holds everything."""
+    (bucket,) = bucket_layout(params, 2**62)
+    i, offset = bucket[-1]
+    return [off for _, off in bucket], offset + _param_bytes(params[i])
 
 
 def packed_bytes(params: list[ParamInfo], bucket: list[tuple[int, int]]) -> int:

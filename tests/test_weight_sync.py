@@ -327,3 +327,35 @@ def test_a_new_group_supersedes_a_receive_whose_broadcast_never_comes(server, hf
         del stale
     finally:
         client.close()
+
+
+def test_helper_threads_make_the_trainer_device_current(server, hf, monkeypatch):
+    """A CUDA trainer's weight group is built and driven on helper threads, which start on device 0 whatever the
+    trainer uses: each makes the trainer's device current first (recorded here through torch.cuda.set_device; the
+    group is gloo on CPU tensors, so nothing else needs a GPU)."""
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, str(d))))
+    client = WeightSyncClient([server.url], timeout_s=60, device="cuda:3", bucket_bytes=2**20)
+    try:
+        client.init_process_group()
+        new = perturbed(hf, seed=60)
+        client.push(new.items(), version=60)
+        check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
+    finally:
+        client.close()
+    assert ("weight-group", "cuda:3") in calls and ("broadcast-v60", "cuda:3") in calls
+
+
+def test_a_tied_alias_is_sent_once(server, hf, monkeypatch):
+    """Two names for one tensor (a tied model's state_dict lists lm_head.weight as an alias of the embedding): only
+    the first name is announced and sent (the server's model has no such alias and would reject it)."""
+    new = perturbed(hf, seed=61)
+    emb = new["model.embed_tokens.weight"]
+    named = [*new.items(), ("model.embed_tokens_alias.weight", emb)]  # same storage under a later name
+    client = WeightSyncClient([server.url], transport="file", timeout_s=60)
+    try:
+        stats = client.push(named, version=61)
+    finally:
+        client.close()
+    assert stats["num_tensors"] == len(new)
+    check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)

@@ -21,12 +21,17 @@ Precision (precision.py): the HF parameters stay the master copy; `self.gen` hol
 computes with (in float32 the master tensors, the large ones also pre-packed for oneDNN on CPU; bf16 copies or
 int8-packed matrices otherwise), rebuilt from the master once on load and once per weight update
 (after_weight_update, inside the engine's pause). INFLIGHT_PACK_WEIGHTS=0 turns the float32 packing off.
+In float32 with packing, an update does not re-pack inside the pause (re-packing a 538 MB model cost 2-7x the copy
+of its bytes, and the pause answers the push): the pause points the generator at the new master tensors, correct at
+once and only unpacked (10-20% slower matmuls), and a background thread re-packs them; the packed weights are swapped
+in at the next step boundary, unless another update came meanwhile (then they are dropped and re-packed again).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +119,7 @@ class LlamaRunner:
         use_c = kernels and cpu_kernels.usable(self.device, self.dtype, self.head_dim)
         self.kernels = cpu_kernels.Kernels(cpu_kernels.load()) if use_c else None
         self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
+        self._repacker: _Repacker | None = None  # float32 packing after an update, off the engine thread
         self.after_weight_update()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,11 +138,26 @@ class LlamaRunner:
         pass  # positions are always rewritten before they are read
 
     def after_weight_update(self) -> None:
-        """The fused tensors are the HF parameters' storage; derive the generator's weights from them again."""
+        """The fused tensors are the HF parameters' storage; derive the generator's weights from them again (a tied
+        head is the embedding's tensor, so it follows). Packing after an update is left to the background."""
         head = self.model.lm_head
-        self.gen = prec.build(self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight,
-                              head.weight, head.bias, pack=self.pack)
+        args = (self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight, head.weight,
+                head.bias)
         self.weight_builds += 1
+        defer = (self.weight_builds > 1 and self.pack and self.precision == "float32"
+                 and prec.packing_available(self.device))
+        self.gen = prec.build(*args, pack=self.pack and not defer)
+        if defer:
+            if self._repacker is None:
+                self._repacker = _Repacker()
+            self._repacker.request(self.weight_builds, args)
+
+    def install_packed(self) -> bool:
+        """At a step boundary: swap in the packed weights of the current master, if the background has them."""
+        gen = self._repacker.take(self.weight_builds) if self._repacker is not None else None
+        if gen is not None:
+            self.gen = gen
+        return gen is not None
 
     def _kv_index(self, plan: StepPlan) -> torch.Tensor:
         """Row of every (token, k|v, kv head) in a layer's cache viewed as [2 * slots * kv_heads * len, dim]."""
@@ -148,6 +169,8 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Logits [len(plan.out_rows), vocab] in float32."""
+        if self._repacker is not None and self._repacker.ready:
+            self.install_packed()
         n_tok, nd = plan.tokens.shape[0], plan.num_decode
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         rep = H // KV
@@ -214,3 +237,37 @@ class LlamaRunner:
             x = prec.residual(x, act, L["wd"], None)
         x = self._norm(x[plan.out_rows].to(G.head_dtype), G.norm)
         return prec.linear(x, G.head, G.head_bias).float()
+
+
+class _Repacker:
+    """One background thread that derives packed generator weights for the latest update. A result is taken only
+    for the update it was built for: one built while a later update overwrote the master may be torn, and is
+    dropped (the engine thread compares build numbers at the step boundary, after any such update's pause)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._want: tuple[int, tuple] | None = None
+        self._done: tuple[int, prec.GeneratorWeights] | None = None
+        self.ready = False  # a result is waiting (read without the lock on every step)
+        threading.Thread(target=self._run, name="weight-repack", daemon=True).start()
+
+    def request(self, build: int, args: tuple) -> None:
+        with self._cv:
+            self._want, self._done, self.ready = (build, args), None, False
+            self._cv.notify()
+
+    def take(self, build: int) -> prec.GeneratorWeights | None:
+        with self._cv:
+            done, self._done, self.ready = self._done, None, False
+        return done[1] if done is not None and done[0] == build else None
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._want is None:
+                    self._cv.wait()
+                (build, args), self._want = self._want, None
+            gen = prec.build(*args, pack=True)
+            with self._cv:
+                if self._want is None:  # no newer update asked meanwhile
+                    self._done, self.ready = (build, gen), True

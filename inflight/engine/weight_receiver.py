@@ -1,5 +1,6 @@
 """Server side of the weight-update contract: join the trainer's process group, validate an announced update,
-receive it (one broadcast per tensor from rank 0, or a safetensors file), and hand it to the engine all at once.
+receive it (broadcasts from rank 0, a shared-memory segment of the same host, or a safetensors file), and hand it to
+the engine all at once.
 
 Rules (docs/inference-contract.md): an announcement is checked against `engine.param_specs()` before anything is
 received — unknown name, a tied alias (the shared tensor travels once, under its canonical name), wrong shape,
@@ -7,7 +8,11 @@ wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing chang
 keeps generating; the engine then swaps them in with one `load_weights` call inside `run_paused` (the only pause),
 so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
-received and before anything is applied: the weights stay as they were.
+received and before anything is applied: the weights stay as they were. The check is one fused reduction per update
+(one host sync, not one per tensor); only a non-finite total looks at each tensor, to name them.
+A shared-memory update is not copied twice: its header is checked at once (format, version, the announcement's
+digest), the segment is mapped and checked for NaN/Inf while the engine keeps generating, and the pause copies the
+tensors from the segment straight into the model (the trainer writes the segment only after every server answered).
 
 A new `/init_process_group` supersedes a receive still blocked on the old group: the trainer forms a group again
 only after it gave up on the old one, and a gloo receive whose sender is gone may not fail before the group timeout.
@@ -26,7 +31,10 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes
+from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
+                                shm_layout)
+from inflight.finite import nonfinite
+from inflight.shm_weights import ShmError, ShmMapping, announcement_digest, check_segment
 
 log = logging.getLogger("inflight.engine.weights")
 
@@ -71,8 +79,8 @@ def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...]
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    """Raise WeightUpdateError naming the tensors that hold NaN or Inf."""
-    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """Raise WeightUpdateError naming the tensors that hold NaN or Inf (one fused reduction: inflight/finite.py)."""
+    bad = nonfinite(tensors)
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
@@ -103,6 +111,7 @@ class WeightReceiver:
         self.world_size = 0
         self._lock = asyncio.Lock()  # one update (or join) at a time
         self._superseded: asyncio.Event | None = None  # set by a join while an update is receiving
+        self._shm = ShmMapping()  # the trainer's segment, mapped once while it reuses it
         self.updates = 0
         self.last_update: dict[str, Any] = {}
 
@@ -126,9 +135,11 @@ class WeightReceiver:
     # ---- updates ----------------------------------------------------------------------------------------------
     def validate(self, req: WeightUpdateRequest) -> None:
         if req.params is not None:
-            if self.group is None:
+            if self.group is None and req.shm is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
             check_params(req.params, self.engine.param_specs(), self.aliases)
+            if req.shm is not None:
+                check_shm(req)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
@@ -137,17 +148,20 @@ class WeightReceiver:
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
             t0 = time.perf_counter()
-            if req.path is not None:
-                tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
-                check_tensors(tensors, self.engine.param_specs(), self.aliases)
+            if req.path is not None or req.shm is not None:
+                if req.path is not None:
+                    tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
+                    check_tensors(tensors, self.engine.param_specs(), self.aliases)
+                else:  # views of the segment: the pause copies them into the model
+                    tensors = await asyncio.to_thread(self._map_shm, req)
                 if self.reject_nonfinite:
-                    check_finite(tensors)
+                    await asyncio.to_thread(check_finite, tensors)
                 read_s = time.perf_counter() - t0
                 nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
                 ntensors = len(tensors)
 
                 def apply() -> float:
-                    p0 = time.perf_counter()
+                    p0 = started[0] = time.perf_counter()
                     self.engine.load_weights(tensors, req.version, req.mode)
                     return time.perf_counter() - p0
             else:
@@ -162,18 +176,26 @@ class WeightReceiver:
                     check_finite(received)
 
                 def apply() -> float:
-                    p0 = time.perf_counter()
+                    p0 = started[0] = time.perf_counter()
                     self.engine.load_weights(received, req.version, req.mode)
                     return time.perf_counter() - p0
 
+            started, asked = [0.0], time.perf_counter()
             pause_s = await self.engine.run_paused(apply)
         self.updates += 1
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s}
-        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs%s",
-                 req.version, "file" if req.path else "broadcast", ntensors, nbytes / 1e6,
-                 req.mode, pause_s, total_s, f" (read {read_s:.3f}s)" if req.path else "")
+        transport = "file" if req.path else "shm" if req.shm else "broadcast"
+        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (%swaited %.3fs "
+                 "for a step boundary)", req.version, transport, ntensors, nbytes / 1e6, req.mode, pause_s, total_s,
+                 "" if transport == "broadcast" else f"read {read_s:.3f}s, ", started[0] - asked)
         return {"version": req.version, "pause_s": pause_s}
+
+    def _map_shm(self, req: WeightUpdateRequest) -> dict[str, torch.Tensor]:
+        params = req.params or []
+        offsets, _ = shm_layout(params)
+        check_shm(req)  # again, now that we hold the lock: the announced version is what we map
+        return self._shm.tensors(req.shm.path, [(p.name, p.shape, p.dtype, off) for p, off in zip(params, offsets)])
 
     async def _receive_unless_superseded(self, params: list[ParamInfo], specs: dict, version: int,
                                          bucket_bytes: int) -> dict[str, torch.Tensor]:
@@ -230,6 +252,16 @@ class WeightReceiver:
                 p = params[i]
                 received[p.name] = unpack(buf, offset, p.shape, specs[p.name][1]) if n else buf
         return received
+
+
+def check_shm(req: WeightUpdateRequest) -> None:
+    """The segment's header must announce exactly this version of exactly these tensors (400 otherwise)."""
+    assert req.shm is not None and req.params is not None
+    _, data_bytes = shm_layout(req.params)
+    try:
+        check_segment(req.shm.path, req.shm.bytes, req.version, data_bytes, announcement_digest(req.params))
+    except ShmError as e:
+        raise WeightUpdateError(f"weight update rejected: {e}") from None
 
 
 def unpack(buf: torch.Tensor, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -10,7 +10,12 @@ small ones travel packed in flat buffers of up to that size (`contracts.bucket_l
 a tensor that fills a bucket alone is sent as it is, never copied (measured: per-tensor gloo broadcasts beat one
 flattened buffer at 100 MiB, FACTS.md, while a model of many small tensors spent its push waiting for the GIL
 between 30 broadcasts: docs/benchmarks.md). `transport="file"` writes one safetensors file under /dev/shm instead
-and posts its path (single host only).
+and posts its path (single host only). `transport="shm"` (single host) writes the tensors once into a shared-memory
+segment (inflight/shm_weights.py) that every server on the host copies from: two memory copies in all.
+
+A tensor registered under several names (tied embeddings) is sent once, under its first name (the contract's
+canonical one). On a CUDA trainer (`device`) the helper threads that create and drive the NCCL communicator make
+that device current first: a new thread starts on device 0 whatever the trainer uses.
 
 A server that dies during the broadcasts must not hold the others there until the group timeout: the broadcasts run
 on their own thread while the servers' answers are watched, and on the first failure (a broadcast error or a
@@ -34,13 +39,15 @@ from typing import Any, Iterable
 import httpx
 import torch
 
-from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
+from inflight.contracts import ParamInfo, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
+from inflight.shm_weights import ShmError, ShmWriter, announcement_digest
 
 log = logging.getLogger("inflight.trainer.weight_sync")
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+TRANSPORTS = ("process_group", "file", "shm")
 SENDER_GRACE_S = 1.0  # after a server answered an error, how long the broadcast may take to finish before the abort
 ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
 
@@ -60,13 +67,39 @@ class ServerAnswered(WeightSyncError):
     """The server answered with an error status: it is alive and has left the request (a broadcast included)."""
 
 
+def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor once: a later name for the same storage (a tied alias such as lm_head.weight) is dropped."""
+    seen, out = set(), []
+    for name, t in named:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+               t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            log.debug("not sending %s: it shares its storage with a tensor sent under another name", name)
+            continue
+        seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def on_device(device: torch.device | None, fn):
+    """fn, run with `device` current (CUDA keeps the current device per thread; a new thread starts on 0)."""
+    if device is None or device.type != "cuda":
+        return fn
+
+    def bound():
+        torch.cuda.set_device(device)
+        return fn()
+
+    return bound
+
+
 class WeightSyncClient:
     def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, backend: str = "gloo", transport: str = "process_group",
                  timeout_s: float = 600.0, dtype: str | None = None, shm_dir: str = "/dev/shm",
-                 precheck: bool = True, bucket_bytes: int = 0):
-        if transport not in ("process_group", "file"):
-            raise ValueError(f"transport must be 'process_group' or 'file', not {transport!r}")
+                 precheck: bool = True, bucket_bytes: int = 0, device: str | torch.device | None = None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
         if not server_urls:
@@ -78,6 +111,9 @@ class WeightSyncClient:
         self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
+        self.device = cuda_device(device)
+        self._shm = ShmWriter(self.shm_dir) if transport == "shm" else None
+        self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
         self._buckets: list[torch.Tensor] = []  # its packing buffers, reused while the announcement stays the same
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -99,8 +135,8 @@ class WeightSyncClient:
         """Host the store, ask every server to join (concurrently), and join as rank 0."""
         from torch.distributed import ProcessGroupGloo, TCPStore
 
-        if self.transport == "file":
-            return  # the file transport needs no group
+        if self.transport != "process_group":
+            return  # the file and shm transports need no group
         self._generation += 1
         self.master_port = self.master_port or free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -124,7 +160,8 @@ class WeightSyncClient:
         # Build our side on its own thread and watch the servers' answers meanwhile: a server that refuses (or
         # cannot be reached) fails the call at once instead of after the group's timeout.
         group: cf.Future = cf.Future()
-        self._group_thread = threading.Thread(target=lambda: _run_into(group, build), name="weight-group",
+        build_here = on_device(self.device, build)
+        self._group_thread = threading.Thread(target=lambda: _run_into(group, build_here), name="weight-group",
                                               daemon=True)
         self._group_thread.start()  # after a fast failure it ends at the group timeout; close() waits for it
         pending = {group, *posts}
@@ -143,12 +180,18 @@ class WeightSyncClient:
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int, mode: str = "keep") -> dict:
         """Send new weights to every server; returns {bytes, seconds, pause_s: {url: s}, version}."""
         t0 = time.perf_counter()
-        tensors = [(n, self._convert(t)) for n, t in named_weights]
-        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        if self.transport == "file":
-            answers = self._push_file(tensors, version, mode)
+        if self.transport == "shm":  # converted while copied into the segment
+            tensors = [(n, self._check_dtype(t.detach())) for n, t in unique_tensors(named_weights)]
+            itemsize = {n: (self.dtype or t.dtype).itemsize for n, t in tensors}
+            nbytes = sum(t.numel() * itemsize[n] for n, t in tensors)
+            answers = self._push_shm(tensors, version, mode)
         else:
-            answers = self._push_broadcast(tensors, version, mode)
+            tensors = [(n, self._convert(t)) for n, t in unique_tensors(named_weights)]
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            if self.transport == "file":
+                answers = self._push_file(tensors, version, mode)
+            else:
+                answers = self._push_broadcast(tensors, version, mode)
         seconds = time.perf_counter() - t0
         pause = {url: float(a["pause_s"]) for url, a in zip(self.urls, answers)}
         log.info("pushed v%d: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version, len(tensors),
@@ -160,9 +203,12 @@ class WeightSyncClient:
         t = t.detach()
         if self.dtype is not None and t.dtype != self.dtype:
             t = t.to(self.dtype)
-        if t.dtype not in DTYPE_NAMES:
+        return self._check_dtype(t).contiguous()
+
+    def _check_dtype(self, t: torch.Tensor) -> torch.Tensor:
+        if (self.dtype or t.dtype) not in DTYPE_NAMES or not t.is_floating_point():
             raise WeightSyncError(f"cannot send dtype {t.dtype} (float32, bfloat16, float16 only)")
-        return t.contiguous()
+        return t
 
     def _push_broadcast(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
         if self.group is None:
@@ -182,8 +228,8 @@ class WeightSyncClient:
         generation = self._generation
         sender: cf.Future = cf.Future()
         payload = self._pack(tensors, body["params"], announced)
-        threading.Thread(target=lambda: _run_into(sender, lambda: self._send_all(payload, generation)),
-                         name=f"broadcast-v{version}", daemon=True).start()
+        send = on_device(self.device, lambda: self._send_all(payload, generation))
+        threading.Thread(target=lambda: _run_into(sender, send), name=f"broadcast-v{version}", daemon=True).start()
         pending: set[cf.Future] = {sender, *posts}
         while sender in pending:  # a server whose request fails has left the broadcast: stop at once
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -269,6 +315,34 @@ class WeightSyncClient:
         threading.Thread(target=box.clear, name="weight-group-abort", daemon=True).start()
         log.warning("weight group aborted (%d servers): the next push forms it again", len(self.urls))
 
+    def _push_shm(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+        """Write the segment (reused while the announcement stays the same), then post its path to every server;
+        each copies the tensors in at its next step boundary. After a failure the segment is replaced."""
+        assert self._shm is not None
+        dtypes = [DTYPE_NAMES[self.dtype or t.dtype] for _, t in tensors]
+        announced = ("shm", mode, tuple((n, tuple(t.shape), d) for (n, t), d in zip(tensors, dtypes)))
+        params = [{"name": n, "shape": list(t.shape), "dtype": d} for (n, t), d in zip(tensors, dtypes)]
+        if self._shm_layout is None or self._shm_layout[0] != announced[2]:
+            infos = [ParamInfo(**p) for p in params]
+            self._shm_layout = (announced[2], *shm_layout(infos), announcement_digest(infos))
+        _, offsets, data_bytes, digest = self._shm_layout
+        try:
+            segment = self._shm.write(tensors, dtypes, offsets, data_bytes, version, digest)
+        except ShmError as e:
+            raise WeightSyncError(str(e)) from None
+        body = {"version": version, "mode": mode, "params": params, "shm": segment}
+        try:
+            if self.precheck and announced != self._accepted:
+                self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True)
+                               for u in self.urls], "check_weight_update")
+            answers = self._collect([self.pool.submit(self._post, u, "/request_weight_update", body)
+                                     for u in self.urls], "request_weight_update")
+        except BaseException:
+            self._shm.discard()  # a server may still read the old file: never write it again
+            raise
+        self._accepted = announced
+        return answers
+
     def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
         from safetensors.torch import save_file
 
@@ -327,3 +401,15 @@ class WeightSyncClient:
         self._generation += 1
         self.group = None
         self.store = None
+        if self._shm is not None:
+            self._shm.discard()
+
+
+def cuda_device(device: str | torch.device | None) -> torch.device | None:
+    """The CUDA device the helper threads make current (None on CPU); "cuda" alone: the caller's current one."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

@@ -4,6 +4,7 @@ rebuilt on every weight update, and off where it cannot run. Reference: float64 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -35,8 +36,18 @@ def test_packed_linear_matches_float64(rows):
     assert (prec.linear(x, lin).double() - want).abs().max().item() < 1e-4
 
 
+def _wait_repacked(runner, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (runner._repacker.ready or all(_packed(runner))):  # waiting for a step boundary, or already in
+        assert time.monotonic() < deadline, "the background re-pack never finished"
+        time.sleep(0.01)
+
+
 @needs_mkldnn
 def test_packed_generator_rebuilt_on_weight_update(sharp_model_dir, monkeypatch):
+    """The pause points the generator at the new master tensors (unpacked, correct at once); the packed copies are
+    rebuilt in the background and swapped in at a step boundary. Every token, before and after the swap, has the
+    new weights' logprobs."""
     monkeypatch.setattr(prec, "PACK_MIN_ELEMENTS", 0)  # the tiny model's matrices are below the real threshold
     eng = InferenceEngine(str(sharp_model_dir), max_batch=4, max_model_len=64)
     assert all(_packed(eng.runner))
@@ -47,14 +58,39 @@ def test_packed_generator_rebuilt_on_weight_update(sharp_model_dir, monkeypatch)
         new = _new_weights(sharp_model_dir, seed=1)
         builds = eng.runner.weight_builds
         asyncio.run(eng.run_paused(lambda: eng.load_weights(new, version=1)))
-        assert eng.runner.weight_builds == builds + 1 and all(_packed(eng.runner))
-        assert eng.runner.gen.head is not old_head
-        after = asyncio.run(_generate(eng, temperature=1.0))
+        assert eng.runner.weight_builds == builds + 1 and not any(_packed(eng.runner))  # not re-packed in the pause
+        assert eng.runner.gen.head is eng.model.lm_head.weight  # the master itself: the new values
+        right_after = asyncio.run(_generate(eng, temperature=1.0))
+        _wait_repacked(eng.runner)
+        after = asyncio.run(_generate(eng, temperature=1.0))  # its first step swaps the packed copies in
+        assert all(_packed(eng.runner)) and eng.runner.gen.head is not old_head
     finally:
         eng.stop()
     assert max(_errors(sharp_model_dir, None, before)) <= BOUND["float32"][1]
+    assert max(_errors(sharp_model_dir, new, right_after)) <= BOUND["float32"][1]
     assert max(_errors(sharp_model_dir, new, after)) <= BOUND["float32"][1]  # the packed copy holds the new weights
     assert _errors(sharp_model_dir, None, after)[0] > 1e-2  # and they really differ from the old ones
+
+
+@needs_mkldnn
+def test_a_repack_overtaken_by_an_update_is_dropped(sharp_model_dir, monkeypatch):
+    """A re-pack built for update 1 that finishes after update 2 read (or may have read) old master values: it is
+    never swapped in; the one for update 2 is."""
+    monkeypatch.setattr(prec, "PACK_MIN_ELEMENTS", 0)
+    eng = InferenceEngine(str(sharp_model_dir), max_batch=4, max_model_len=64)
+    eng.start()
+    try:
+        w1, w2 = _new_weights(sharp_model_dir, seed=2), _new_weights(sharp_model_dir, seed=3)
+        asyncio.run(eng.run_paused(lambda: eng.load_weights(w1, version=1)))
+        _wait_repacked(eng.runner)  # update 1's packed weights wait for a step boundary ...
+        asyncio.run(eng.run_paused(lambda: eng.load_weights(w2, version=2)))  # ... which comes after update 2
+        assert not eng.runner.install_packed() and not any(_packed(eng.runner))
+        _wait_repacked(eng.runner)
+        res = asyncio.run(_generate(eng, temperature=1.0))
+        assert all(_packed(eng.runner))
+    finally:
+        eng.stop()
+    assert max(_errors(sharp_model_dir, w2, res)) <= BOUND["float32"][1]
 
 
 def test_packing_stays_off_where_it_cannot_run(sharp_model_dir, monkeypatch):

@@ -1,6 +1,6 @@
 """A fake SGLang server for the `sglang` weight protocol: the documented request schemas (SGLang 0.5.x io_struct)
 as strict pydantic models, a pause state machine, and a real gloo weight group joined the way SGLang's workers
-join it (torch's tcp rendezvous + `_new_process_group_helper`), receiving one broadcast per announced tensor."""
+join it (`join_like_sglang`, step for step SGLang's own code), receiving one broadcast per announced tensor."""
 
 from __future__ import annotations
 
@@ -52,6 +52,24 @@ class ContinueGeneration(Strict):
     torch_empty_cache: bool = True
 
 
+def join_like_sglang(init_method: str, rank: int, world_size: int, group_name: str, backend: str,
+                     timeout: datetime.timedelta):
+    """SGLang 0.5.x's `init_custom_process_group` (python/sglang/srt/utils/common.py; checked against the 0.5.x
+    sources of sgl-project/sglang), as `ModelRunner.init_weights_update_group` (python/sglang/srt/model_executor/
+    model_runner.py) calls it with `init_method="tcp://{master_address}:{master_port}"`: torch's rendezvous gives a
+    TCPStore client; the store is wrapped in `PrefixStore(group_name, store)`; `_new_process_group_helper` (which
+    adds `<group_name>/` and `<device>/` itself) builds the group; the group is registered in `_world`."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)  # the layer a client without it never meets: it waits until the timeout
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
 def fail(message: str) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=400)
 
@@ -79,16 +97,10 @@ class FakeSGLang:
                 return fail(f"group {req.group_name} already exists")
             if req.backend != "gloo":
                 return fail(f"this fake joins gloo groups only, not {req.backend}")
-            from torch.distributed import rendezvous
-            from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-
-            timeout = datetime.timedelta(seconds=30)
-            store, rank, world = next(rendezvous(f"tcp://{req.master_address}:{req.master_port}",
-                                                 req.rank_offset, req.world_size, timeout=timeout))
-            pg, _ = _new_process_group_helper(world, rank, [], req.backend, store, group_name=req.group_name,
-                                              timeout=timeout)
-            _world.pg_group_ranks[pg] = {i: i for i in range(world)}  # as SGLang does, for destroy_process_group
-            self.groups[req.group_name] = pg
+            # tp rank 0 of the server: rank = rank_offset + tp_rank (ModelRunner.init_weights_update_group)
+            self.groups[req.group_name] = join_like_sglang(f"tcp://{req.master_address}:{req.master_port}",
+                                                           req.rank_offset, req.world_size, req.group_name,
+                                                           req.backend, datetime.timedelta(seconds=30))
             return {"success": True, "message": "joined"}
 
         @app.post("/destroy_weights_update_group")

@@ -33,3 +33,53 @@ def test_bad_settings():
     cfg = load_config(RunConfig, overrides=["trainer.protocol=sglang", "trainer.weight_transport=file"])
     with pytest.raises(ValueError, match="process group only"):
         make_weight_sync(cfg, URLS)
+
+
+@pytest.mark.parametrize("device,choice,want", [("cpu", "auto", "gloo"), ("cuda", "auto", "nccl"),
+                                                ("cuda:1", "gloo", "gloo"), ("cuda", "nccl", "nccl")])
+def test_weight_backend(device, choice, want):
+    """trainer.weight_backend: a CUDA trainer is not forced onto NCCL (one GPU shared with a server needs gloo)."""
+    from inflight.trainer.protocols import weight_backend
+
+    assert weight_backend(choice, device) == want
+
+
+def test_weight_backend_and_transport_reach_the_client():
+    cfg = load_config(RunConfig, overrides=["trainer.weight_backend=gloo", "trainer.weight_transport=shm",
+                                            "trainer.shm_dir=/tmp"])
+    client = make_weight_sync(cfg, URLS)
+    try:
+        assert (client.backend, client.transport, client.shm_dir) == ("gloo", "shm", "/tmp")
+        assert client.device is None  # a CPU trainer binds no device on the helper threads
+    finally:
+        client.close()
+    for bad, match in ((["trainer.weight_backend=mpi"], "auto, nccl or gloo"),
+                       (["trainer.weight_backend=nccl"], "needs a CUDA trainer"),
+                       (["trainer.weight_transport=tcp"], "transport must be one of process_group, file, shm"),
+                       (["trainer.protocol=vllm", "trainer.weight_backend=gloo"], "vLLM's own NCCL")):
+        with pytest.raises(ValueError, match=match):
+            make_weight_sync(load_config(RunConfig, overrides=bad), URLS)
+
+
+def test_the_communicator_is_built_on_the_trainers_device(monkeypatch):
+    """vLLM's trainer_init takes torch.accelerator.current_device_index(), and it runs on a helper thread, which
+    starts on device 0: the thread makes trainer.device current first (recorded through torch.cuda.set_device)."""
+    import threading
+
+    import torch
+
+    from inflight.trainer.protocols.common import Broadcaster
+
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(("set_device", str(d))))
+
+    def sender(address, port, world_size, store):
+        events.append(("sender", threading.current_thread().name))
+        return Broadcaster()
+
+    client = VLLMWeightSync(URLS, make_sender=sender, device="cuda:2", timeout_s=5)
+    try:
+        client.host_group(lambda: [], lambda store: client.make_sender("127.0.0.1", 1, 3, store), host_store=False)
+    finally:
+        client.close()
+    assert events == [("set_device", "cuda:2"), ("sender", "weight-group")]

@@ -124,3 +124,18 @@ def test_nccl_backend_refused_by_gloo_fake(fakes):
             client.init_process_group()
     finally:
         client.close()
+
+
+def test_a_tied_tensor_is_sent_once(fakes):
+    """A state_dict-style list naming the embedding twice (lm_head.weight of a tied model): one name, one broadcast."""
+    fake = fakes[1]
+    r = len(fake.state()["received"])
+    sent = weights(4)[:2]
+    client = SGLangWeightSync([fake.url], timeout_s=30)
+    try:
+        client.init_process_group()
+        stats = client.push([*sent, ("lm_head.weight", sent[0][1])], version=9)
+    finally:
+        client.close()
+    assert stats["num_tensors"] == 2
+    assert_received(fake.state()["received"][r], sent)

@@ -16,21 +16,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs the vLLM test venv (INFLIGHT_VLLM_PYTHON)")
 
 
-@pytest.fixture(scope="session")
-def vllm_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny test model with head_dim 32: vLLM's CPU attention has no kernel for head_dim 16."""
+def build_vllm_model(tiny_model_dir: Path, out: Path, *, tied: bool = False, seed: int = 0) -> Path:
+    """The tiny test model with head_dim 32 (vLLM's CPU attention has no kernel for head_dim 16), new random weights,
+    the tiny model's tokenizer; `tied`: tie_word_embeddings."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("vllm_model")
     for f in Path(tiny_model_dir).iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
             shutil.copy(f, out / f.name)
     cfg = LlamaConfig.from_pretrained(tiny_model_dir)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, cfg.hidden_size // 2
-    torch.manual_seed(0)
+    cfg.tie_word_embeddings = tied
+    torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return build_vllm_model(tiny_model_dir, tmp_path_factory.mktemp("vllm_model"))
 
 
 @pytest.fixture(scope="session")

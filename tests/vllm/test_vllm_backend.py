@@ -89,8 +89,9 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
     assert r.status_code == 400 and "absolute" in r.text
 
     version = 0
-    # the process group per tensor, then with the small tensors packed in 64 KiB buckets (the worker unpacks them)
-    for transport, bucket in (("file", 0), ("process_group", 0), ("process_group", 2**16)):
+    # the process group per tensor, then with the small tensors packed in 64 KiB buckets (the worker unpacks them),
+    # then the shared-memory segment (the worker copies from its views)
+    for transport, bucket in (("file", 0), ("process_group", 0), ("process_group", 2**16), ("shm", 0)):
         client = WeightSyncClient([url], transport=transport, bucket_bytes=bucket)
         try:
             client.init_process_group()

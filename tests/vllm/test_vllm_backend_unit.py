@@ -63,6 +63,34 @@ def test_broadcast_announcements_are_checked(receiver):
         receiver.validate(bad)
 
 
+def test_a_tied_models_head_is_not_a_parameter(tmp_path):
+    """tie_word_embeddings: the head is the embedding, announced once as model.embed_tokens.weight; a checkpoint
+    that stores a copy of lm_head.weight does not make the alias updatable."""
+    save_file({"model.embed_tokens.weight": torch.zeros(6, 4), "lm_head.weight": torch.zeros(6, 4)},
+              str(tmp_path / "model.safetensors"))
+    assert set(checkpoint_specs(str(tmp_path), "float32", tied=True)) == {"model.embed_tokens.weight"}
+    assert set(checkpoint_specs(str(tmp_path), "float32")) == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def test_shm_announcements_are_checked(receiver, tmp_path):
+    """The shm transport needs no group; the segment's header must name this version of these tensors."""
+    from inflight.contracts import ParamInfo, shm_layout
+    from inflight.shm_weights import ShmWriter, announcement_digest
+
+    params = [{"name": "a.weight", "shape": [3, 4], "dtype": "float32"}]
+    infos = [ParamInfo(**p) for p in params]
+    offsets, data = shm_layout(infos)
+    w = ShmWriter(str(tmp_path))
+    seg = w.write([("a.weight", torch.ones(3, 4))], ["float32"], offsets, data, 4, announcement_digest(infos))
+    receiver.validate(WeightUpdateRequest(version=4, params=params, shm=seg))
+    for req, word in [(dict(version=5, params=params, shm=seg), "announces 5"),
+                      (dict(version=4, params=[{**params[0], "name": "zzz"}], shm=seg), "unknown"),
+                      (dict(version=4, params=params, shm={**seg, "path": str(tmp_path / "none")}), "one host")]:
+        with pytest.raises(WeightUpdateError, match=word):
+            receiver.validate(WeightUpdateRequest(**req))
+    w.discard()
+
+
 def test_version_of_each_token_from_spans():
     live = [(0, 3), (4, 5)]  # (start index, version)
     assert [_at(live, i, -1) for i in range(7)] == [3, 3, 3, 3, 5, 5, 5]

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None)
     p.add_argument("--allow-remote-admin", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--weight-staging", choices=("host", "device"), default="host", help=(
+        "GPU workers: stage a broadcast update in pinned host memory, received through one bucket-sized GPU buffer "
+        "(default), or on the GPU (a shorter pause; needs the model's size free: lower --gpu-memory-utilization)"))
 
 
 def check_vllm_version(version: str) -> None:
@@ -143,7 +146,8 @@ async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     engine = VLLMEngine(llm, args.model, model_name=args.served_model_name)
     await llm.update_weight_version("0")
     info = (await llm.collective_rpc("inflight_model_info"))[0]
-    receiver = VLLMWeightReceiver(engine, checkpoint_specs(args.model, info["dtype"]), device=info["device"])
+    receiver = VLLMWeightReceiver(engine, checkpoint_specs(args.model, info["dtype"], tied=info["tied"]),
+                                  device=info["device"], staging=args.weight_staging, tied=info["tied"])
     log.info("vLLM %s engine up: %s, dtype %s on %s, max_model_len %d", vllm.__version__, engine.model_name,
              info["dtype"], info["device"], engine.max_model_len)
     app = build_app(engine, receiver, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin)

@@ -2,12 +2,16 @@
 against the checkpoint's names and shapes and the served dtype; the transfer itself in the workers
 (worker_ext.py), driven with `collective_rpc`.
 
-An update: validate (400/409 before anything is received) → [file: worker reads it, generation continues] →
-`pause_generation(mode="keep")` (the engine stops between two steps; requests keep their KV cache) → workers
-receive the broadcasts into fresh buffers and load them all at once → interrupt mode: `reset_prefix_cache(
+An update: validate (400/409 before anything is received) → [file / shm: each worker reads it or maps the segment
+and checks it for NaN/Inf while generation continues] → `pause_generation(mode="keep")` (the engine stops between
+two steps; requests keep their KV cache) → workers receive the broadcasts (staged, checked for NaN/Inf) and load
+them all at once → interrupt mode: `reset_prefix_cache(
 reset_running_requests=True)` preempts every running request, so its KV cache is recomputed with the new weights
 (prompt + tokens so far) before its next token → the engine's weight version is set (every later step's tokens
-carry it) → `resume_generation()`.
+carry it) → `resume_generation()`. A NaN or Inf in the update is a 400 and nothing is applied (the workers check
+what they staged, one fused reduction each). A tied model's shared tensor is announced once, under the embedding's
+name (`model.embed_tokens.weight`); `lm_head.weight` is then not a parameter of the model here (400, like an alias
+to the built-in server).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes
-from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params
+from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
+                                shm_layout)
+from inflight.engine.vllm_backend.worker_ext import NONFINITE
+from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params, check_shm
 
 log = logging.getLogger("inflight.vllm.weights")
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -44,22 +50,28 @@ def safetensors_header(path: str) -> dict[str, tuple[list[int], str]]:
             if k != "__metadata__"}
 
 
-def checkpoint_specs(model_dir: str, dtype: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The model's parameters as HF names them (the checkpoint's tensors), in the served dtype."""
+def checkpoint_specs(model_dir: str, dtype: str, tied: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's parameters as HF names them (the checkpoint's tensors), in the served dtype. A tied model's head
+    is the embedding: `lm_head.weight` is not one of them, even if the checkpoint holds a copy."""
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         for name, (shape, _) in safetensors_header(f).items():
             specs[name] = (tuple(shape), DTYPES[dtype])
     if not specs:
         raise RuntimeError(f"no *.safetensors in {model_dir}")
+    if tied:
+        specs.pop("lm_head.weight", None)
     return specs
 
 
 class VLLMWeightReceiver:
     """Same interface as inflight.engine.weight_receiver.WeightReceiver (init_process_group, validate, update)."""
 
-    def __init__(self, engine: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: str):
+    def __init__(self, engine: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: str,
+                 staging: str = "host", tied: bool = False):
         self.engine, self.llm, self.specs, self.device = engine, engine.llm, specs, device
+        self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}  # refused, named in the 400
+        self.staging = staging  # GPU broadcasts: stage in pinned host memory (one bucket of GPU memory) or on the GPU
         self._lock = asyncio.Lock()
         self.has_group = False
         self.updates = 0
@@ -100,10 +112,14 @@ class VLLMWeightReceiver:
 
     # ---- updates ----------------------------------------------------------------------------------------------
     def validate(self, req: WeightUpdateRequest) -> None:
+        if req.shm is not None:
+            check_params(req.params or [], self.specs, self.aliases)
+            check_shm(req)
+            return
         if req.params is not None:
             if not self.has_group:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
-            check_params(req.params, self.specs)
+            check_params(req.params, self.specs, self.aliases)
             return
         path = req.path or ""
         if not os.path.isabs(path):
@@ -119,7 +135,8 @@ class VLLMWeightReceiver:
         bad = [n for n, (_, dt) in header.items() if dt not in DTYPES]
         if bad:
             raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad[:5]}")
-        check_params([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], self.specs)
+        check_params([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], self.specs,
+                     self.aliases)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         self.validate(req)
@@ -127,17 +144,28 @@ class VLLMWeightReceiver:
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
             t0 = time.perf_counter()
-            if req.path is not None:
-                await self._rpc("inflight_stage_file", req.path)  # read before pausing
+            try:  # read (or mapped) and checked before pausing
+                if req.path is not None:
+                    await self._rpc("inflight_stage_file", req.path)
+                elif req.shm is not None:
+                    check_shm(req)  # again, under the lock: the segment holds the announced version
+                    offsets, _ = shm_layout(req.params or [])
+                    await self._rpc("inflight_stage_shm", req.shm.path, [
+                        [p.name, list(p.shape), p.dtype, off] for p, off in zip(req.params or [], offsets)])
+            except Exception as e:
+                raise _rejected(e) from None
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             p0 = time.perf_counter()
             try:
-                if req.params is not None:
+                if req.params is not None and req.shm is None:
                     params = req.params
-                    await self._rpc("inflight_receive", [
-                        [[[params[i].name, list(params[i].shape), params[i].dtype, offset] for i, offset in b],
-                         packed_bytes(params, b)]
-                        for b in bucket_layout(params, req.bucket_bytes)])
+                    try:
+                        await self._rpc("inflight_receive", [
+                            [[[params[i].name, list(params[i].shape), params[i].dtype, offset] for i, offset in b],
+                             packed_bytes(params, b)]
+                            for b in bucket_layout(params, req.bucket_bytes)], self.staging)
+                    except Exception as e:
+                        raise _rejected(e) from None
                 await self._rpc("inflight_apply")
                 if req.mode == "interrupt":
                     await self.llm.reset_prefix_cache(reset_running_requests=True)
@@ -153,6 +181,11 @@ class VLLMWeightReceiver:
         self.updates += 1
         self.last_update = {"version": req.version, "pause_s": pause_s, "seconds": time.perf_counter() - t0}
         log.info("weight update v%d (%s, mode=%s): paused %.3fs, total %.3fs", req.version,
-                 "file" if req.path else f"broadcast of {len(req.params or [])} tensors", req.mode, pause_s,
-                 time.perf_counter() - t0)
+                 "file" if req.path else "shm" if req.shm else f"broadcast of {len(req.params or [])} tensors",
+                 req.mode, pause_s, time.perf_counter() - t0)
         return {"version": req.version, "pause_s": pause_s}
+
+
+def _rejected(e: Exception) -> Exception:
+    """A worker's NaN/Inf refusal is the client's fault (400, nothing applied); anything else stays as it is."""
+    return WeightUpdateError(str(e)[str(e).find("weight update rejected"):]) if NONFINITE in str(e) else e

@@ -3,10 +3,23 @@ vLLM mixes these methods into its Worker class, and the API process calls them w
 
 The worker, not the API process, joins the trainer's process group and receives the broadcasts (on a GPU the
 tensors land straight in GPU memory; nothing goes through the API process). An update happens in two calls:
-`inflight_receive` / `inflight_stage_file` put the new tensors in fresh buffers ("staged"), `inflight_apply` swaps
-them in with one load, so the model is never half-updated.
+`inflight_receive` / `inflight_stage_file` / `inflight_stage_shm` put the new tensors aside ("staged") and check
+them for NaN/Inf (one fused reduction), `inflight_apply` loads them all at once, so the model is never half-updated
+and a rejected update changes nothing.
 
-Only torch, safetensors and vLLM are imported here: this module runs in vLLM's environment.
+Memory: on a GPU, broadcasts are received bucket by bucket into one reused GPU buffer (the size of the largest
+bucket) and staged in pinned host memory, kept for the next update of the same layout; the apply then loads from
+the host. So an update needs one bucket of GPU memory, not a second copy of the model (which at vLLM's default
+gpu_memory_utilization 0.9 does not fit for a 7B model). `staging="device"` stages on the GPU instead: a shorter
+pause (no host-to-GPU copy in it) for a model's worth of free GPU memory (lower --gpu-memory-utilization by the
+model's size). A shared-memory segment is staged as views of the mapped segment on a GPU (the apply copies them to
+the GPU); on CPU as a copy made before the pause (vLLM's CPU reload keeps the tensors it is given).
+
+Tied embeddings: the update carries the embedding once (`model.embed_tokens.weight`); vLLM loads it into the one
+parameter both modules share, and on CPU the prepacked lm_head is rebuilt from it after every reload.
+
+Only torch, safetensors, vLLM and two torch-only inflight modules (shm_weights, finite) are imported here: this
+module runs in vLLM's environment.
 """
 
 from __future__ import annotations
@@ -22,9 +35,13 @@ from typing import Any
 
 import torch
 
+from inflight.finite import nonfinite
+from inflight.shm_weights import ShmMapping
+
 log = logging.getLogger("inflight.vllm.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+NONFINITE = "NaN or Inf values in"  # the receiver answers 400 for an error that says this
 
 
 class InflightWorkerExtension:
@@ -36,7 +53,8 @@ class InflightWorkerExtension:
         hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         dtype = self.vllm_config.model_config.dtype  # type: ignore[attr-defined]
         return {"dtype": DTYPE_NAMES.get(dtype, str(dtype)), "device": str(next(model.parameters()).device.type),
-                "tied": bool(getattr(hf, "tie_word_embeddings", False)), "rank": int(self.rank)}  # type: ignore[attr-defined]
+                "tied": bool(getattr(hf, "tie_word_embeddings", False)),
+                "rank": int(self.rank)}  # type: ignore[attr-defined]
 
     # ---- process group (joined in a thread, so the engine keeps generating while the trainer gathers ranks) ----
     def inflight_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -44,11 +62,14 @@ class InflightWorkerExtension:
         rank = rank_offset + int(self.rank)  # type: ignore[attr-defined]  # several workers: consecutive ranks
         self._inflight_group_state = "pending"
         self._inflight_group = None
+        device = self._inflight_device()
 
         def join() -> None:
             from torch.distributed import ProcessGroupGloo, TCPStore
 
             try:
+                if device.type == "cuda":  # this thread started on device 0; NCCL binds the current one
+                    torch.cuda.set_device(device)
                 timeout = datetime.timedelta(seconds=timeout_s)
                 store = TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
                 if backend == "gloo":
@@ -70,37 +91,75 @@ class InflightWorkerExtension:
     def inflight_group_status(self) -> str:
         return getattr(self, "_inflight_group_state", "none")
 
+    def _inflight_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device  # type: ignore[attr-defined]
+
     # ---- staging ----------------------------------------------------------------------------------------------
-    def inflight_receive(self, buckets: list[list[Any]]) -> int:
+    def inflight_receive(self, buckets: list[list[Any]], staging: str = "host") -> int:
         """One broadcast from rank 0 per bucket [[[name, shape, dtype, byte offset], ...], packed bytes], in order
         (the API process lays them out with inflight.contracts.bucket_layout): a bucket of one tensor arrives as
         that tensor (packed bytes 0), one of several as a flat uint8 buffer holding each at its offset."""
         group = getattr(self, "_inflight_group", None)
         if group is None:
             raise RuntimeError("no process group on this worker")
-        device = next(self.model_runner.get_model().parameters()).device  # type: ignore[attr-defined]
+        device = self._inflight_device()
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        staged = {}
-        for entries, packed in buckets:
-            if not packed:
-                (name, shape, dtype, _), = entries
-                staged[name] = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=device)
-                group.broadcast([staged[name]], opts).wait()
-                continue
-            buf = torch.empty(packed, dtype=torch.uint8, device=device)
-            group.broadcast([buf], opts).wait()
+        sizes = [packed or _nbytes(entries[0][1], entries[0][2]) for entries, packed in buckets]
+        via_host = device.type == "cuda" and staging == "host"
+        if via_host:  # one GPU buffer for every bucket, host buffers kept for the next update of this layout
+            wire = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+            key = tuple(sizes)
+            if getattr(self, "_inflight_host_key", None) != key:
+                self._inflight_host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+                self._inflight_host_key = key
+        staged, sums = {}, []
+        for k, ((entries, packed), n) in enumerate(zip(buckets, sizes)):
+            raw = wire[:n] if via_host else torch.empty(n, dtype=torch.uint8, device=device)
+            lone = None if packed else _view(raw, 0, entries[0][1], entries[0][2])  # sent as that tensor
+            group.broadcast([raw if packed else lone], opts).wait()
+            if via_host:  # summed on the GPU (no sync), then copied out; the next broadcast follows in stream order
+                sums += [_view(raw, off if packed else 0, shape, dt).sum(dtype=torch.float32)
+                         for _, shape, dt, off in entries]
+                self._inflight_host[k].copy_(raw, non_blocking=True)
+                raw = self._inflight_host[k]
             for name, shape, dtype, offset in entries:
-                n = DTYPES[dtype].itemsize * math.prod(shape)
-                staged[name] = buf[offset: offset + n].view(DTYPES[dtype]).view(tuple(shape))
-        self._inflight_staged = staged
+                staged[name] = _view(raw, offset if packed else 0, shape, dtype)
+        finite = None
+        if via_host:
+            torch.cuda.current_stream(device).synchronize()
+            finite = not sums or bool(torch.isfinite(torch.stack(sums).sum()))  # one sync for the whole update
+        self._inflight_stage(staged, finite=finite)
         return len(staged)
 
     def inflight_stage_file(self, path: str) -> int:
         from safetensors.torch import load_file
 
-        self._inflight_staged = load_file(path, device="cpu")
+        self._inflight_stage(load_file(path, device="cpu"))
         return len(self._inflight_staged)
+
+    def inflight_stage_shm(self, path: str, entries: list[list[Any]]) -> int:
+        """Views [name, shape, dtype, data offset] of the trainer's shared-memory segment (checked by the API
+        process: header, version, announcement digest); the mapping is kept while the trainer reuses the file."""
+        mapping = getattr(self, "_inflight_shm", None)
+        if mapping is None:
+            mapping = self._inflight_shm = ShmMapping()
+        views = mapping.tensors(path, [tuple(e) for e in entries])
+        if self._inflight_device().type == "cpu":  # the reload keeps what it is given: copy now, before the pause
+            views = {n: t.clone() for n, t in views.items()}
+        self._inflight_stage(views)
+        return len(self._inflight_staged)
+
+    def _inflight_stage(self, staged: dict[str, torch.Tensor], finite: bool | None = None) -> None:
+        """Keep `staged` for inflight_apply once it is finite (`finite`: already checked on the way in). On a GPU
+        they may be views of memory later updates reuse (host buffers, the shm segment): the apply copies them into
+        the model; on CPU they are the worker's own (the shadow checkpoint keeps them)."""
+        self._inflight_staged = {}
+        bad = [] if finite else nonfinite(staged)
+        if bad:
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+            raise ValueError(f"weight update rejected: {NONFINITE} {bad[:5]}{more}; nothing applied")
+        self._inflight_staged = staged
 
     def inflight_drop_staged(self) -> None:
         self._inflight_staged = {}
@@ -117,7 +176,7 @@ class InflightWorkerExtension:
         if next(model.parameters()).device.type == "cpu":
             self._inflight_apply_cpu(staged)
         else:
-            model.load_weights(staged.items())  # in place; a subset is fine
+            model.load_weights(staged.items())  # in place (host tensors: copied to the GPU); a subset is fine
         self._inflight_staged = {}
         return time.perf_counter() - t0
 
@@ -136,6 +195,14 @@ class InflightWorkerExtension:
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(self.model_runner.get_model().lm_head, remove_weight=False)  # type: ignore[attr-defined]
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    return DTYPES[dtype].itemsize * math.prod(shape)
+
+
+def _view(buf: torch.Tensor, offset: int, shape: list[int], dtype: str) -> torch.Tensor:
+    return buf[offset: offset + _nbytes(shape, dtype)].view(DTYPES[dtype]).view(tuple(shape))
 
 
 def _read_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 `init_process_group()`, `push(named_tensors, version, mode="keep") -> stats`, `close()`, `world_size`.
 
     inflight  inflight's contract (docs/inference-contract.md): WeightSyncClient, inflight/trainer/weight_sync.py
+              (transports: process_group over gloo or NCCL, shm, file)
     vllm      a stock vLLM server's native weight-transfer API (vllm.py)
     sglang    a stock SGLang server's distributed weight update API (sglang.py)
 """
@@ -15,25 +16,41 @@ PROTOCOLS = ("inflight", "vllm", "sglang")
 
 def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
     """The weight client `cfg.trainer.protocol` names, configured from the run config."""
-    protocol = cfg.trainer.protocol
+    protocol, t = cfg.trainer.protocol, cfg.trainer
     common = dict(api_key=cfg.server.api_key or None, master_address=cfg.pipeline.weight_sync_host,
-                  master_port=cfg.pipeline.weight_sync_port, dtype=cfg.server.dtype,
-                  backend="nccl" if cfg.trainer.device.startswith("cuda") else "gloo")
+                  master_port=cfg.pipeline.weight_sync_port, dtype=cfg.server.dtype, device=t.device,
+                  backend=weight_backend(t.weight_backend, t.device))
     if protocol == "inflight":
         from inflight.trainer.weight_sync import WeightSyncClient
 
-        return WeightSyncClient(server_urls, transport=cfg.trainer.weight_transport,
-                                bucket_bytes=int(cfg.trainer.weight_bucket_mb * 2**20), **common)
-    if cfg.trainer.weight_transport != "process_group":
+        return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir,
+                                bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)
+    if t.weight_transport != "process_group":
         raise ValueError(f"trainer.protocol={protocol} sends weights over a process group only "
-                         f"(trainer.weight_transport={cfg.trainer.weight_transport!r})")
+                         f"(trainer.weight_transport={t.weight_transport!r})")
     if protocol == "vllm":
         from inflight.trainer.protocols.vllm import VLLMWeightSync
 
-        common.pop("backend")  # vLLM's own NCCL communicator
+        if t.weight_backend == "gloo":
+            raise ValueError("trainer.protocol=vllm broadcasts with vLLM's own NCCL communicator (the server's "
+                             "--weight-transfer-config backend); trainer.weight_backend=gloo is not available there")
+        common.pop("backend")
         return VLLMWeightSync(server_urls, **common)
     if protocol == "sglang":
         from inflight.trainer.protocols.sglang import SGLangWeightSync
 
         return SGLangWeightSync(server_urls, **common)
     raise ValueError(f"unknown trainer.protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+
+
+def weight_backend(choice: str, device: str) -> str:
+    """trainer.weight_backend: `auto` is NCCL on a CUDA trainer and gloo on CPU. A CUDA trainer may choose gloo
+    (gloo broadcasts CUDA tensors through host memory): NCCL refuses two ranks on one GPU, so a trainer and a server
+    sharing one GPU need gloo (or the shm / file transports)."""
+    if choice == "auto":
+        return "nccl" if str(device).startswith("cuda") else "gloo"
+    if choice not in ("nccl", "gloo"):
+        raise ValueError(f"trainer.weight_backend must be auto, nccl or gloo, not {choice!r}")
+    if choice == "nccl" and not str(device).startswith("cuda"):
+        raise ValueError(f"trainer.weight_backend=nccl needs a CUDA trainer (trainer.device={device!r}); use gloo")
+    return choice

@@ -1,8 +1,10 @@
 """What the stock-server weight clients share: JSON posts to every server with errors that name the server, and the
 trainer's side of a weight group (rank 0 hosts the TCPStore; the servers join as ranks 1..).
 
-The group uses the store layout of `torch.distributed`'s own group construction (keys under `<group_name>/<device>/`),
-which is what SGLang's receivers build with; vLLM's NCCL receivers need vLLM's own communicator (vllm.py).
+SGLang's receivers build their group with `init_custom_process_group` (TorchGroup below says exactly how); vLLM's
+NCCL receivers need vLLM's own communicator (vllm.py). A tensor registered under several names (tied embeddings) is
+sent once, under its first name. On a CUDA trainer the threads that build and drive the communicator make the
+trainer's device current first (a new thread starts on device 0).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Callable
 import httpx
 import torch
 
-from inflight.trainer.weight_sync import DTYPE_NAMES, DTYPES, WeightSyncError, free_port
+from inflight.trainer.weight_sync import (DTYPE_NAMES, DTYPES, WeightSyncError, cuda_device, free_port, on_device,
+                                          unique_tensors)
 
 
 class Broadcaster:
@@ -29,12 +32,22 @@ class Broadcaster:
 
 
 class TorchGroup(Broadcaster):
-    """A gloo or NCCL process group whose store keys match `torch.distributed`'s `_new_process_group_helper`."""
+    """Rank 0 of a gloo or NCCL group whose store keys follow `torch.distributed`'s `_new_process_group_helper`
+    (`<group_name>/<device>/`), under `outer_prefix` when the receivers wrap their store in one more PrefixStore.
 
-    def __init__(self, store: Any, world_size: int, backend: str, group_name: str, timeout: datetime.timedelta):
+    SGLang 0.5.x does (`python/sglang/srt/utils/common.py`, `init_custom_process_group`, called by
+    `ModelRunner.init_weights_update_group` in `python/sglang/srt/model_executor/model_runner.py`): its workers'
+    `rendezvous("tcp://addr:port")` store is wrapped in `PrefixStore(group_name, store)` before
+    `_new_process_group_helper` adds torch's own two prefixes, so `SGLangWeightSync` passes `outer_prefix=group_name`
+    and both ends read and write the same keys."""
+
+    def __init__(self, store: Any, world_size: int, backend: str, group_name: str, timeout: datetime.timedelta,
+                 outer_prefix: str | None = None):
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         device = "cpu" if backend == "gloo" else "cuda"
+        if outer_prefix is not None:
+            store = PrefixStore(outer_prefix, store)
         prefixed = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", store))
         if backend == "gloo":
             self.pg = ProcessGroupGloo(prefixed, 0, world_size, timeout)
@@ -60,7 +73,8 @@ class ProtocolClient:
     protocol = "?"
 
     def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int = 0, backend: str = "gloo", timeout_s: float = 600.0, dtype: str | None = None):
+                 master_port: int = 0, backend: str = "gloo", timeout_s: float = 600.0, dtype: str | None = None,
+                 device: str | torch.device | None = None):
         if not server_urls:
             raise ValueError("no server urls")
         if backend not in ("gloo", "nccl"):
@@ -69,6 +83,7 @@ class ProtocolClient:
         self.master_address, self.master_port = master_address, master_port
         self.backend, self.timeout_s = backend, timeout_s
         self.dtype = DTYPES[dtype] if dtype else None
+        self.device = cuda_device(device)  # made current on the threads that build and drive the group
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.pool = cf.ThreadPoolExecutor(max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="weight-sync")
@@ -114,7 +129,7 @@ class ProtocolClient:
     # ---- weights ------------------------------------------------------------------------------------------------
     def convert(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         out = []
-        for n, t in named:
+        for n, t in unique_tensors(named):
             t = t.detach()
             if self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(self.dtype)
@@ -128,6 +143,8 @@ class ProtocolClient:
         if self.group is None:
             raise WeightSyncError("call init_process_group() before push()")
         posts = [self.pool.submit(self.request, u, "POST", path, body) for u in self.urls]
+        if self.device is not None:  # the caller may be a helper thread, on device 0 until told otherwise
+            torch.cuda.set_device(self.device)
         try:
             for _, t in tensors:
                 if any(p.done() and p.exception() is not None for p in posts):
@@ -152,8 +169,8 @@ class ProtocolClient:
         joined: cf.Future = cf.Future()
         threading.Thread(target=lambda: _run_into(joined, join), name="weight-join", daemon=True).start()
         group: cf.Future = cf.Future()
-        threading.Thread(target=lambda: _run_into(group, lambda: make_group(self.store)), name="weight-group",
-                         daemon=True).start()
+        build = on_device(self.device, lambda: make_group(self.store))
+        threading.Thread(target=lambda: _run_into(group, build), name="weight-group", daemon=True).start()
         cf.wait([joined, group], return_when=cf.FIRST_EXCEPTION)
         if group.done() and group.exception() is not None:
             cf.wait([joined], timeout=5.0)  # a server's refusal explains it best

@@ -47,7 +47,7 @@ class SGLangWeightSync(ProtocolClient):
 
         self.host_group(lambda: self.post_all("/init_weights_update_group", body),
                         lambda store: TorchGroup(store, self.world_size, self.backend, self.group_name,
-                                                 _td(self.timeout_s)))
+                                                 _td(self.timeout_s), outer_prefix=self.group_name))
         log.info("sglang weight group up: %d servers, world %d (%s)", len(self.urls), self.world_size, self.backend)
 
     def _tp_size(self, url: str) -> int:

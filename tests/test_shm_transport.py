@@ -1,0 +1,161 @@
+"""The shared-memory weight transport (inflight/shm_weights.py) against two real `inflight serve` processes: the
+trainer (this process) writes each update once, both servers copy it in; logprobs are compared with an independent
+transformers forward. Then every way a segment can be wrong is refused before anything is applied."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import torch
+
+from inflight.engine.weight_receiver import WeightUpdateError, check_finite
+from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter
+from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    from inflight.engine.serve import ServerProcess
+
+    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
+                       env={"OMP_NUM_THREADS": "1"}) as a, \
+            ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
+                          env={"OMP_NUM_THREADS": "1"}) as b:
+        yield [a, b]
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture()
+def shm(servers):
+    c = WeightSyncClient([s.url for s in servers], transport="shm", timeout_s=60)
+    yield c
+    c.close()
+
+
+def test_one_segment_reaches_every_server_and_is_reused(servers, hf, shm):
+    new = perturbed(hf, seed=1)
+    stats = shm.push(new.items(), version=1)
+    assert stats["bytes"] == sum(t.numel() * 4 for t in new.values())
+    path = shm._shm.path
+    assert path.startswith("/dev/shm/") and os.path.getsize(path) >= SHM_HEADER_BYTES + stats["bytes"]
+    for s in servers:
+        after = chat(s.url, temperature=0.8)
+        assert set(after["token_versions"]) == {1}
+        check_matches(hf, new, after, 0.8)
+    newer = perturbed(hf, seed=2)
+    shm.push(newer.items(), version=2, mode="interrupt")
+    assert shm._shm.path == path  # same announcement: the same segment, written again
+    for s in servers:
+        check_matches(hf, newer, chat(s.url, temperature=1.0), 1.0)
+    partial = {n: t + 0.01 for n, t in list(newer.items())[::3]}  # another announcement: another segment
+    shm.push(partial.items(), version=3)
+    assert shm._shm.path != path and not os.path.exists(path)
+    for s in servers:
+        check_matches(hf, {**newer, **partial}, chat(s.url, temperature=1.0), 1.0)
+    shm.close()
+    assert not os.path.exists(shm._shm.path or "/nonexistent")
+
+
+def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm, tmp_path):
+    url = servers[0].url
+    shm.push(perturbed(hf, seed=5).items(), version=5)
+    ref = fingerprint(url)
+    seg, params = shm._shm.path, None
+    good = perturbed(hf, seed=6)
+    params = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in good.items()]
+    body = {"version": 5, "params": params, "shm": {"path": seg, "bytes": os.path.getsize(seg)}}
+
+    def refused(b: dict, match: str) -> None:
+        r = httpx.post(url + "/request_weight_update", json=b, timeout=30)
+        assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+
+    refused({**body, "version": 6}, "holds weight version 5, the update announces 6")  # stale segment
+    swapped = [params[1], params[0], *params[2:]]  # same bytes in all, other tensors at the offsets
+    refused({**body, "params": swapped}, "other tensors than announced")
+    refused({**body, "shm": {"path": seg, "bytes": os.path.getsize(seg) + 64}}, "header 4096 + the announced")
+    refused({**body, "shm": {"path": "/dev/shm/inflight-no-such-segment", "bytes": body["shm"]["bytes"]}},
+            "trainer.weight_transport=process_group")
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)  # opening it would block the server: refused from its file type
+    refused({**body, "shm": {"path": fifo, "bytes": body["shm"]["bytes"]}}, "not a regular file")
+    with open(seg, "r+b") as f:  # a segment being written: its header is invalid until the data is complete
+        f.write(b"\0" * 8)
+    refused(body, "not a complete inflight weight segment")
+    r = httpx.post(url + "/request_weight_update", json={**body, "bucket_bytes": 64}, timeout=30)
+    assert r.status_code in (400, 422) and "bucket_bytes" in r.text
+    assert fingerprint(url) == ref
+
+    poisoned = dict(good)
+    name = list(good)[3]
+    poisoned[name] = good[name].clone()
+    poisoned[name].view(-1)[7] = float("nan")
+    with pytest.raises(WeightSyncError, match=rf"NaN or Inf values in \['{name}'\]"):
+        shm.push(poisoned.items(), version=7)
+    assert fingerprint(url) == ref  # nothing applied on either server
+    assert shm._shm.path is None  # a failed update: the next push writes a new segment
+    shm.push(good.items(), version=8)
+    check_matches(hf, good, chat(url, temperature=1.0), 1.0)
+
+
+def test_a_full_shm_directory_is_a_clear_error(tmp_path, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    w = ShmWriter(str(tmp_path))
+    with pytest.raises(ShmError, match="docker --shm-size.*trainer.shm_dir"):
+        w.write([("w", torch.ones(4))], ["float32"], [0], 16, 1, b"\0" * 32)
+    assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_fused_finite_check(monkeypatch):
+    good = {"a": torch.randn(100, 10), "b": torch.randn(7).bfloat16(), "i": torch.arange(5)}
+    check_finite(good)
+    reads = []  # each bool() of a tensor is a host sync on a GPU: one per update, not one per tensor
+    real = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real(t))
+    check_finite({f"w{i}": torch.randn(8, 8) for i in range(300)})
+    assert len(reads) == 1
+    monkeypatch.undo()
+    huge = {"h1": torch.full((4,), 3e38), "h2": torch.full((4,), 3e38)}  # finite, but the float32 total overflows
+    check_finite(huge)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.randn(50, 3)
+        t[17, 1] = bad
+        with pytest.raises(WeightUpdateError, match=r"NaN or Inf values in \['x'\]"):
+            check_finite({**good, "x": t})
+    pos, neg = torch.zeros(3), torch.zeros(3)  # +inf in one tensor, -inf in another: caught, both named
+    pos[0], neg[0] = float("inf"), float("-inf")
+    with pytest.raises(WeightUpdateError, match=r"\['p', 'n'\]"):
+        check_finite({"p": pos, "n": neg})
+
+
+def test_a_segment_does_not_outlive_its_writer(tmp_path):
+    """/dev/shm is memory: a writer dropped without close() (or at interpreter exit) removes its file."""
+    import gc
+
+    w = ShmWriter(str(tmp_path))
+    w.write([("w", torch.ones(4))], ["float32"], [0], 16, 1, b"\0" * 32)
+    path = w.path
+    assert os.path.exists(path)
+    del w
+    gc.collect()
+    assert not os.path.exists(path)
+    w = ShmWriter(str(tmp_path))
+    w.write([("w", torch.ones(4))], ["float32"], [0], 16, 1, b"\0" * 32)
+    first = w.path
+    w.write([("w", torch.ones(8))], ["float32"], [0], 32, 2, b"\0" * 32)  # another size: another file
+    assert w.path != first and not os.path.exists(first)
+    w.discard()
+    assert os.listdir(tmp_path) == []
