@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -111,27 +112,25 @@ def train_stage(a: argparse.Namespace, model: str, task: str, out: Path) -> dict
 
     cuda = a.device.startswith("cuda")
     run_dir = out / "train"
-    args = [f"model.path={model}", f"task.path={task}", "task.eval_path=", "task.eval_size=8", "name=smoke",
+    args = [f"model.path={model}", f"task.path={task}", "task.eval_path=''", "task.eval_size=8", "name=smoke",
             f"pipeline.run_dir={run_dir}", "pipeline.max_steps=6", "pipeline.checkpoint_every=0",
             "pipeline.progress=false", "pipeline.tensorboard=false", f"pipeline.weight_sync_port={free_port()}",
-            f"server.base_port={free_port()}", "server.num_servers=1", "trainer.num_processes=1",
+            f"server.base_port={free_port()}", "server.num_servers=1", "trainer.num_processes=1", f"trainer.backend={a.train_backend}",
             "trainer.weight_backend=gloo",  # one GPU: NCCL refuses two ranks on one device
             f"actor.group_size={4}", f"actor.groups_per_step={a.groups_per_step}", "actor.eval_every=0",
-            f"actor.max_new_tokens={a.max_new_tokens}", "actor.max_lag=2", "actor.reward_workers=1"]
+            f"actor.max_new_tokens={a.max_new_tokens}", "actor.max_lag=2", "actor.reward_workers=1",
+            "algo.entropy_coef=1e-6"]  # random weights earn no reward: keeps zero-advantage samples in the step
     if cuda:
         args += ['pipeline.server_devices=["0"]', 'pipeline.trainer_devices="0"']
     else:
-        args += ["pipeline.server_devices=[]", "pipeline.trainer_devices=", "trainer.device=cpu",
+        args += ["pipeline.server_devices=[]", "pipeline.trainer_devices=''", "trainer.device=cpu",
                  "trainer.precision=float32", "server.dtype=float32", "trainer.threads=1", "server.threads=1",
                  "trainer.gradient_checkpointing=false", "server.max_tokens_per_step=2048", "server.max_batch=64"]
     cmd = [sys.executable, "-m", "inflight.cli", "train", str(ROOT / "configs" / "gpu-qwen2.5-gsm8k.yaml"), *args]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.stage_timeout,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
-    (out / "train.log").write_text(p.stdout + p.stderr)
-    if p.returncode != 0:
-        raise RuntimeError(f"inflight train exited {p.returncode} (logs: {run_dir / 'smoke' / 'logs'}): "
-                           f"{p.stderr[-2000:]}")
+    rc, output = run_launcher(cmd, a.stage_timeout, out / "train.log")
+    if rc != 0:
+        raise RuntimeError(f"inflight train exited {rc} (logs: {run_dir / 'smoke' / 'logs'}): {output[-2000:]}")
     steps = [r for r in map(json.loads, (run_dir / "smoke" / "metrics.jsonl").read_text().splitlines())
              if r.get("event") == "train_step"]
     if [r["step"] for r in steps] != list(range(1, 7)):
@@ -140,6 +139,23 @@ def train_stage(a: argparse.Namespace, model: str, task: str, out: Path) -> dict
             "step1_ratio_mean": steps[0]["ratio_mean"], "ratio_mean_last": steps[-1]["ratio_mean"],
             "trainer_tokens_per_s": sum(r["tokens_per_s"] for r in steps) / len(steps),
             "lag_max": max(r["lag_max"] for r in steps), "reward_mean": [r["reward_mean"] for r in steps]}
+
+
+def run_launcher(cmd: list[str], timeout: float, log_path: Path) -> tuple[int, str]:
+    """Run `inflight train`; past `timeout` (or on our own exit) SIGTERM it, so that it stops the roles it started
+    (each in a session of its own), then SIGKILL."""
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return rc, log_path.read_text()
 
 
 def vllm_python(a: argparse.Namespace) -> str | None:
@@ -157,8 +173,11 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small model and loads (CPU dry run)")
     ap.add_argument("--vllm-python", default="", help="python of vLLM's environment (default: this one if it has vLLM)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip")
+    ap.add_argument("--train-backend", default="fsdp2", help="trainer of the `inflight train` stage: fsdp2 | single")
     ap.add_argument("--stage-timeout", type=float, default=300.0)
     a = ap.parse_args()
+    # SIGTERM as Ctrl-C: the stages' `with` blocks and handlers then stop the servers they started
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     a.packed_tokens = 1024 if a.tiny else 16384
     a.streams = [8, 32] if a.tiny else [64, 256]
     a.load_s = 3.0 if a.tiny else 12.0
