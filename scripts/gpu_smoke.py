@@ -11,6 +11,10 @@ Stages, in order; the first failure stops the run, names its stage in the JSON (
              concurrent streams, five pushes under load + one file push, logprobs vs an HF forward after the push
   train      six steps of `inflight train` (FSDP2 world 1 + one built-in server on the same GPU, gloo weight group)
   vllm       the server stage against `inflight serve --engine vllm` (skipped when vLLM does not import)
+With --gpus 2 (scripts/gpu-smoke-2gpu.sh): models; trainer2 (the trainer probe as FSDP2 world 2, one rank per GPU);
+server_nccl / vllm_nccl (the server stage with the server on GPU 0 and the trainer stand-in on GPU 1: weights over
+NCCL); train_nccl (`inflight train`, server on GPU 0, trainer on GPU 1, NCCL weight group). On CPU all of it runs
+with gloo.
 Figures go to OUT/smoke.json (written after every stage), server logs under OUT/.
 """
 
@@ -88,26 +92,41 @@ def write_task(out: Path, n: int = 96) -> str:
     return str(path)
 
 
-def trainer_stage(a: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
+def trainer_stage(a: argparse.Namespace, model: str, out: Path, world: int = 1) -> dict[str, Any]:
+    """scripts/smoke_trainer.py as `world` FSDP2 ranks (rank r on cuda:r; gloo on CPU)."""
     from inflight.host import free_port
 
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
-    probe = out / "trainer.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "smoke_trainer.py"), "--model", model, "--device",
-                        a.device, "--tokens", str(a.packed_tokens), "--out", str(probe)], env=env,
-                       capture_output=True, text=True, timeout=a.stage_timeout)
-    (out / "trainer.log").write_text(p.stdout + p.stderr)
+    port, probe = free_port(), out / f"trainer-world{world}.json"
+    probe.unlink(missing_ok=True)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
+               **({} if a.device.startswith("cuda") else {"OMP_NUM_THREADS": "1"})}
+        log_file = open(out / f"trainer-world{world}-rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(ROOT / "scripts" / "smoke_trainer.py"), "--model", model,
+                                        "--device", a.device, "--tokens", str(a.packed_tokens), "--out", str(probe)],
+                                       env=env, stdout=log_file, stderr=subprocess.STDOUT), log_file))
+    try:
+        codes = [p.wait(timeout=a.stage_timeout) for p, _ in procs]
+    finally:
+        for p, f in procs:
+            if p.poll() is None:
+                p.kill()
+            f.close()
     if not probe.exists():
-        raise RuntimeError(f"trainer probe exited {p.returncode}: {p.stderr[-2000:]}")
+        tail = (out / f"trainer-world{world}-rank0.log").read_text()[-2000:]
+        raise RuntimeError(f"trainer probe (world {world}) exited {codes}: {tail}")
     figures = json.loads(probe.read_text())
-    if p.returncode != 0:
-        raise RuntimeError(f"trainer probe: {figures.get('problems')}")
+    if any(codes):
+        raise RuntimeError(f"trainer probe (world {world}) exited {codes}: {figures.get('problems')}")
     return figures
 
 
-def train_stage(a: argparse.Namespace, model: str, task: str, out: Path) -> dict[str, Any]:
-    """Six steps of `inflight train` with the documented GPU config, shrunk to one GPU."""
+def train_stage(a: argparse.Namespace, model: str, task: str, out: Path, server_gpu: str = "0", trainer_gpus: str = "0",
+                weight_backend: str = "gloo") -> dict[str, Any]:
+    """Six steps of `inflight train` with the documented GPU config, shrunk to one server and one trainer rank
+    (both on GPU 0 by default: then the gloo weight group, since NCCL refuses two ranks on one device)."""
     from inflight.host import free_port
 
     cuda = a.device.startswith("cuda")
@@ -116,12 +135,12 @@ def train_stage(a: argparse.Namespace, model: str, task: str, out: Path) -> dict
             f"pipeline.run_dir={run_dir}", "pipeline.max_steps=6", "pipeline.checkpoint_every=0",
             "pipeline.progress=false", "pipeline.tensorboard=false", f"pipeline.weight_sync_port={free_port()}",
             f"server.base_port={free_port()}", "server.num_servers=1", "trainer.num_processes=1", f"trainer.backend={a.train_backend}",
-            "trainer.weight_backend=gloo",  # one GPU: NCCL refuses two ranks on one device
+            f"trainer.weight_backend={weight_backend}",
             f"actor.group_size={4}", f"actor.groups_per_step={a.groups_per_step}", "actor.eval_every=0",
             f"actor.max_new_tokens={a.max_new_tokens}", "actor.max_lag=2", "actor.reward_workers=1",
             "algo.entropy_coef=1e-6"]  # random weights earn no reward: keeps zero-advantage samples in the step
     if cuda:
-        args += ['pipeline.server_devices=["0"]', 'pipeline.trainer_devices="0"']
+        args += [f'pipeline.server_devices=["{server_gpu}"]', f'pipeline.trainer_devices="{trainer_gpus}"']
     else:
         args += ["pipeline.server_devices=[]", "pipeline.trainer_devices=''", "trainer.device=cpu",
                  "trainer.precision=float32", "server.dtype=float32", "trainer.threads=1", "server.threads=1",
@@ -173,6 +192,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small model and loads (CPU dry run)")
     ap.add_argument("--vllm-python", default="", help="python of vLLM's environment (default: this one if it has vLLM)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip")
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="2: the two-GPU stages (NCCL, FSDP2 world 2)")
     ap.add_argument("--train-backend", default="fsdp2", help="trainer of the `inflight train` stage: fsdp2 | single")
     ap.add_argument("--stage-timeout", type=float, default=300.0)
     a = ap.parse_args()
@@ -192,8 +212,8 @@ def main() -> int:
     if cuda:
         import torch
 
-        if not torch.cuda.is_available():
-            print("gpu_smoke: --device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+        if torch.cuda.device_count() < a.gpus:
+            print(f"gpu_smoke: --device cuda --gpus {a.gpus} but torch sees {torch.cuda.device_count()} GPU(s)")
             return 2
         figures["gpu"] = torch.cuda.get_device_name(0)
         figures["torch"] = torch.__version__
@@ -204,18 +224,33 @@ def main() -> int:
         ctx["task"] = write_task(out)
         return {"parameters": json.loads((Path(ctx["models"]["tied"]) / "smoke.json").read_text())["parameters"]}
 
-    vpy = None if "vllm" in skip else vllm_python(a)
-    stages: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("models", models),
-        ("trainer", lambda: trainer_stage(a, ctx["models"]["tied"], out)),
-        ("server", lambda: server_stage(a, "builtin", ctx["models"]["tied"], out, dtype, sys.executable)),
-        ("train", lambda: train_stage(a, ctx["models"]["untied"], ctx["task"], out)),
-        ("vllm", lambda: server_stage(a, "vllm", ctx["models"]["untied"], out, dtype, vpy)),
-    ]
+    vpy = None if {"vllm", "vllm_nccl"} & skip else vllm_python(a)
+    if a.gpus == 1:
+        stages: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("models", models),
+            ("trainer", lambda: trainer_stage(a, ctx["models"]["tied"], out)),
+            ("server", lambda: server_stage(a, "builtin", ctx["models"]["tied"], out, dtype, sys.executable)),
+            ("train", lambda: train_stage(a, ctx["models"]["untied"], ctx["task"], out)),
+            ("vllm", lambda: server_stage(a, "vllm", ctx["models"]["untied"], out, dtype, vpy)),
+        ]
+    else:  # two GPUs: the server on GPU 0, the trainer on GPU 1, weights over NCCL (gloo on CPU); FSDP2 world 2
+        backend = "nccl" if cuda else "gloo"
+        stages = [
+            ("models", models),
+            ("trainer2", lambda: trainer_stage(a, ctx["models"]["tied"], out, world=2)),
+            ("server_nccl", lambda: server_stage(a, "builtin", ctx["models"]["tied"], out, dtype, sys.executable,
+                                                 backend=backend, trainer_device="cuda:1" if cuda else "cpu",
+                                                 server_gpu="0" if cuda else "")),
+            ("train_nccl", lambda: train_stage(a, ctx["models"]["untied"], ctx["task"], out, server_gpu="0",
+                                               trainer_gpus="1", weight_backend=backend)),
+            ("vllm_nccl", lambda: server_stage(a, "vllm", ctx["models"]["untied"], out, dtype, vpy, backend=backend,
+                                               trainer_device="cuda:1" if cuda else "cpu",
+                                               server_gpu="0" if cuda else "")),
+        ]
     failed = None
     for name, fn in stages:
-        if name in skip or (name == "vllm" and vpy is None):
-            figures["stages"][name] = {"skipped": "vLLM does not import" if name == "vllm" else "--skip"}
+        if name in skip or (name.startswith("vllm") and vpy is None):
+            figures["stages"][name] = {"skipped": "--skip" if name in skip else "vLLM does not import"}
             log(f"{name}: skipped")
             continue
         log(f"{name}: start")

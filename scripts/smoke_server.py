@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "What is 12+34?"}]
 
 
-def start_server(engine: str, model: str, out: Path, dtype: str, python: str, cuda: bool, max_batch: int) -> Any:
+def start_server(engine: str, model: str, out: Path, dtype: str, python: str, cuda: bool, max_batch: int,
+                 gpu: str = "") -> Any:
     common = ["--dtype", dtype, "--max-model-len", "1024"]
-    env = {"PYTHONPATH": str(ROOT), **({} if cuda else {"OMP_NUM_THREADS": "1"})}
+    env = {"PYTHONPATH": str(ROOT), **({} if cuda else {"OMP_NUM_THREADS": "1"}),
+           **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
     if engine == "builtin":
         from inflight.engine.serve import ServerProcess
 
@@ -106,7 +108,11 @@ def reference_logprobs(model: Any, ids: list[int], n_prompt: int) -> list[float]
     return [lp[t - 1, ids[t]].item() for t in range(n_prompt, len(ids))]
 
 
-def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, python: str) -> dict[str, Any]:
+def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, python: str, *, backend: str = "gloo",
+                 trainer_device: str = "", server_gpu: str = "") -> dict[str, Any]:
+    """`backend` of the weight group, from a trainer stand-in on `trainer_device` (default: a.device; one GPU shares
+    it with the server, so gloo: NCCL refuses two ranks on one device); `server_gpu`: the server's
+    CUDA_VISIBLE_DEVICES (empty: inherited)."""
     import httpx
     import torch
     from transformers import AutoModelForCausalLM
@@ -114,9 +120,10 @@ def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, pyt
     from inflight.trainer.weight_sync import WeightSyncClient
 
     cuda = a.device.startswith("cuda")
-    fig: dict[str, Any] = {"engine": engine, "dtype": dtype}
+    trainer_device = trainer_device or a.device
+    fig: dict[str, Any] = {"engine": engine, "dtype": dtype, "backend": backend}
     t0 = time.perf_counter()
-    with start_server(engine, model_dir, out, dtype, python, cuda, max(a.streams)) as server:
+    with start_server(engine, model_dir, out, dtype, python, cuda, max(a.streams), server_gpu) as server:
         url = server.url
         fig["startup_s"] = time.perf_counter() - t0
         fig["conformance"] = conformance(url, out, engine, a.stage_timeout)
@@ -126,10 +133,9 @@ def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, pyt
             fig[f"tokens_per_s_{n}"] = res["tokens_per_s"]
             fig[f"requests_{n}"] = res["requests"]
 
-        # a trainer stand-in on the same device; one GPU: the gloo group (NCCL refuses two ranks on one device)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-        hf = hf.to(a.device).eval()
-        sync = WeightSyncClient([url], backend="gloo", timeout_s=300)
+        hf = hf.to(trainer_device).eval()
+        sync = WeightSyncClient([url], backend=backend, timeout_s=300, device=trainer_device)
         sync.init_process_group()
         stop = threading.Event()
         bg: dict[str, Any] = {}
