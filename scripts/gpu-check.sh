@@ -16,31 +16,12 @@ PY="$(scripts/vllm-gpu-env.sh "$VENV" | tail -1)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this tree's inflight, whatever the venv holds
 "$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(0))"
 
-# 1. a Qwen2.5-0.5B-sized model (24 layers, hidden 896, 14 heads / 2 KV heads, untied head), random weights
-MODEL="$OUT/model"
-"$PY" - "$MODEL" <<'EOF'
-import sys, os, torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-out = sys.argv[1]
-if not os.path.exists(os.path.join(out, "config.json")):
-    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated"); tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"], pad_token_id=0)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
-    fast.save_pretrained(out)
-print("model ready:", out)
-EOF
+# 1. a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 heads / 2 KV heads, vocabulary 151,936, untied head),
+# random weights, built as scripts/gpu-smoke.sh builds it: Llama modules and `inflight make-model`'s tokenizer (a
+# qwen2-type folder would make AutoTokenizer swap Qwen2's own tokenizer class in over ours)
+MODEL="$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); from pathlib import Path; from gpu_smoke import build_models
+print(build_models(Path(sys.argv[1]), tiny=False, dtype="bfloat16")["untied"])' "$OUT" | tail -1)"
+echo "model ready: $MODEL"
 
 # 2. the server (vLLM on the GPU), in a session of its own: the trap ends the whole process group, vLLM's
 # engine-core process included (killing the API process alone leaves it holding the GPU)
