@@ -1,8 +1,9 @@
-"""The GPU scripts cannot run here end to end on a GPU; what CI can hold them to: every shell script parses, the
+"""The GPU scripts cannot run here end to end on a GPU; what CI can hold them to: every shell script parses and is executable, the
 Python driver's options parse, and the smoke refuses `--device cuda` on a machine without the GPUs it asks for."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS.glob("*.sh")))
-def test_shell_script_parses(name):
+def test_shell_script_parses_and_runs_as_written(name):
     p = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+    assert os.access(SCRIPTS / name, os.X_OK), f"chmod +x scripts/{name} (the docs run it as scripts/{name})"
 
 
 def test_smoke_driver_options_and_missing_gpu(tmp_path):
