@@ -88,15 +88,20 @@ def main() -> int:
     after = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
     figures = {
         "world_size": getattr(engine, "world_size", 1), "load_s": load_s, "packed_tokens": a.tokens,
-        "micro_batches": stats["micro_batches"], "step_s": step_s, "trainer_tokens_per_s": a.tokens / step_s,
+        "micro_batches": stats["micro_batches"], "step_s": step_s,
+        "trainer_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / step_s,  # every rank trains --tokens
         "ratio_mean": stats.get("ratio_mean"), "grad_norm": stats.get("grad_norm"),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "named_weights": len(after), "changed_weights": sum(not torch.equal(before[n], after[n]) for n in after),
     }
     root = Path(tempfile.mkdtemp(prefix="smoke-ckpt-"))
     t2 = time.perf_counter()
-    path = save_checkpoint(root, "step-1", engine, CheckpointState(step=1, version=1, samples_trained=len(samples),
-                                                                      next_group=1))
+    if rank == 0:
+        path = save_checkpoint(root, "step-1", engine, CheckpointState(step=1, version=1,
+                                                                          samples_trained=len(samples), next_group=1))
+    else:  # the other ranks join the collectives of save and train_state, as pipeline/fsdp_loop.py does
+        engine.save("")
+        engine.train_state()
     figures["checkpoint_s"] = time.perf_counter() - t2
     if rank == 0:
         from transformers import AutoModelForCausalLM
