@@ -53,7 +53,7 @@ name = model_dir.rstrip("/").split("/")[-1]
 two = torch.cuda.device_count() >= 2
 backend = "nccl" if two else "gloo"
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:1" if two else "cuda:0")
-client = WeightSyncClient([url], backend=backend, transport="process_group")
+client = WeightSyncClient([url], backend=backend, transport="process_group", device=model.device)
 client.init_process_group()
 tokens, stop = [0], threading.Event()
 def worker():
@@ -69,7 +69,7 @@ t0, tok0, pauses, rates = time.time(), tokens[0], [], []
 for v in range(1, 6):
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.0001)  # stands in for an optimizer step
+            p.add_(torch.randn_like(p), alpha=1e-3)  # stands in for an optimizer step (a bf16 x1.0001 is a no-op)
     torch.cuda.synchronize()
     st = client.push(model.named_parameters(), version=v)
     pauses.append(st["pause_s"][url]); rates.append(st["bytes"] / st["seconds"])
