@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM backend (UNTESTED so far: no GPU was available when it was written; docs/backends.md).
-# On a machine with one CUDA GPU and no internet: installs vLLM from wheels carried in .whl/ (or uses an installed
-# one), builds a Qwen2.5-0.5B-sized model locally (random weights), starts the vLLM-backed server on the GPU, runs the
-# conformance suite, then times weight updates over NCCL (trainer on the same GPU) while generation is running, and
-# prints a table: tokens/s while training, seconds paused per update, NCCL broadcast bytes/s. Target: < 8 minutes.
+# GPU check of the vLLM backend (not yet run on a GPU: docs/backends.md; run scripts/gpu-smoke.sh first).
+# On a machine with one or two CUDA GPUs and no internet: a venv for vLLM (scripts/vllm-gpu-env.sh: a system vLLM,
+# wheels carried in .whl/, or the index), a Qwen2.5-0.5B-sized model built locally (random weights), the vLLM-backed
+# server on the GPU under the conformance suite, then weight updates (trainer on the same GPU over gloo, or on a
+# second GPU over NCCL) while 64 streams generate; prints tokens/s while training, seconds paused per update and
+# broadcast bytes/s. Target: < 8 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.cache/gpu-venv}"
@@ -11,52 +12,29 @@ PORT="${PORT:-8123}"
 OUT="${OUT:-runs/gpu-check}"
 mkdir -p "$OUT"
 
-if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
-PIP=("$VENV/bin/pip" install -q)
-if ! "$VENV/bin/python" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
-    if ls .whl/*.whl >/dev/null 2>&1; then
-        "${PIP[@]}" --no-index --find-links .whl vllm
-    else
-        "${PIP[@]}" "vllm>=0.32,<0.34"
-    fi
-fi
-"$VENV/bin/python" -c "import pytest, openai" 2>/dev/null || "${PIP[@]}" --find-links .whl pytest pytest-timeout openai
-"${PIP[@]}" --no-deps -e .
-PY="$VENV/bin/python"
+PY="$(scripts/vllm-gpu-env.sh "$VENV" | tail -1)"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this tree's inflight, whatever the venv holds
 "$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(0))"
 
-# 1. a Qwen2.5-0.5B-sized model (24 layers, hidden 896, 14 heads / 2 KV heads, untied head), random weights
-MODEL="$OUT/model"
-"$PY" - "$MODEL" <<'EOF'
-import sys, os, torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, PreTrainedTokenizerFast
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-out = sys.argv[1]
-if not os.path.exists(os.path.join(out, "config.json")):
-    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated"); tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, eos_token_id=vocab["<|im_end|>"], pad_token_id=0)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
-    fast.save_pretrained(out)
-print("model ready:", out)
-EOF
+# 1. a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 heads / 2 KV heads, vocabulary 151,936, untied head),
+# random weights, built as scripts/gpu-smoke.sh builds it: Llama modules and `inflight make-model`'s tokenizer (a
+# qwen2-type folder would make AutoTokenizer swap Qwen2's own tokenizer class in over ours)
+MODEL="$("$PY" -c 'import sys; sys.path.insert(0, "scripts"); from pathlib import Path; from gpu_smoke import build_models
+print(build_models(Path(sys.argv[1]), tiny=False, dtype="bfloat16")["untied"])' "$OUT" | tail -1)"
+echo "model ready: $MODEL"
 
-# 2. the server (vLLM on the GPU, NCCL weight group)
-CUDA_VISIBLE_DEVICES="${SERVER_GPU:-0}" "$PY" -m inflight.engine.vllm_backend --model "$MODEL" --port "$PORT" --dtype bfloat16 --max-model-len 2048 \
-    --gpu-memory-utilization 0.5 > "$OUT/server.log" 2>&1 &
+# 2. the server (vLLM on the GPU), in a session of its own: the trap ends the whole process group, vLLM's
+# engine-core process included (killing the API process alone leaves it holding the GPU)
+CUDA_VISIBLE_DEVICES="${SERVER_GPU:-0}" setsid "$PY" -m inflight.engine.vllm_backend --model "$MODEL" --port "$PORT" \
+    --dtype bfloat16 --max-model-len 2048 --gpu-memory-utilization 0.5 > "$OUT/server.log" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
-for i in $(seq 1 180); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
+stop_server() {
+    kill -TERM -- "-$SERVER" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 -- "-$SERVER" 2>/dev/null || return 0; sleep 1; done
+    kill -KILL -- "-$SERVER" 2>/dev/null || true
+}
+trap stop_server EXIT
+for i in $(seq 1 300); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$PORT/health" || { tail -50 "$OUT/server.log"; exit 1; }
 
 # 3. conformance suite
@@ -75,7 +53,7 @@ name = model_dir.rstrip("/").split("/")[-1]
 two = torch.cuda.device_count() >= 2
 backend = "nccl" if two else "gloo"
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda:1" if two else "cuda:0")
-client = WeightSyncClient([url], backend=backend, transport="process_group")
+client = WeightSyncClient([url], backend=backend, transport="process_group", device=model.device)
 client.init_process_group()
 tokens, stop = [0], threading.Event()
 def worker():
@@ -91,7 +69,7 @@ t0, tok0, pauses, rates = time.time(), tokens[0], [], []
 for v in range(1, 6):
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.0001)  # stands in for an optimizer step
+            p.add_(torch.randn_like(p), alpha=1e-3)  # stands in for an optimizer step (a bf16 x1.0001 is a no-op)
     torch.cuda.synchronize()
     st = client.push(model.named_parameters(), version=v)
     pauses.append(st["pause_s"][url]); rates.append(st["bytes"] / st["seconds"])

@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -13,4 +13,6 @@ class ServerConfig:
     max_model_len: int = 512
     max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)
     api_key: str = ""
-    threads: int = 0  # torch threads per server (0 = torch's default)
+    threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
+    python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)
+    extra_args: list[str] = field(default_factory=list)  # appended to each server's command line (last wins)

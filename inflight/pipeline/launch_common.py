@@ -5,6 +5,7 @@ and the restart limit. It imports neither launcher; `launcher.run_pipeline` pick
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,10 @@ def check_config(cfg: Any) -> None:
             import wandb  # noqa: F401
         except ImportError:
             raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
+    if cfg.server.engine not in ("builtin", "vllm", "sglang"):
+        raise ValueError(f"server.engine must be builtin, vllm or sglang, got {cfg.server.engine!r}")
+    if cfg.server.python and not p.server_urls and not shutil.which(cfg.server.python):
+        raise ValueError(f"server.python '{cfg.server.python}' does not exist (the python of vLLM's environment)")
     if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
     if not Path(cfg.model.path).exists():
@@ -65,21 +70,34 @@ MAX_RESTARTS = 5  # per server and run: a server that keeps dying is a failure, 
 
 
 def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = False) -> list[str]:
-    """`inflight serve` for server k; `restart`: the same server behind the weight gate (pipeline/restart.py)."""
+    """`inflight serve` for server k, started by `server.python`; `restart`: the same server behind the weight gate
+    (pipeline/restart.py, built-in only). The built-in options map to each engine's own (`engine_options`);
+    `server.extra_args` come last, so they override what the mapping set."""
     s = cfg.server
+    python = s.python or sys.executable
     entry = ["-m", "inflight.pipeline.restart"] if restart else ["-m", "inflight.cli", "serve"]
-    argv = [sys.executable, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
-            "--port", str(s.base_port + k), "--dtype", s.dtype, "--max-batch", str(s.max_batch),
-            "--max-model-len", str(s.max_model_len), "--max-tokens-per-step", str(s.max_tokens_per_step),
-            "--threads", str(s.threads), *(["--generator-precision", s.generator_precision] if s.generator_precision
-                                              != "float32" else [])]
-    if k < len(cfg.pipeline.server_devices):
-        argv += ["--device", "cuda"]
-    if s.engine != "builtin" and not restart:
-        argv += ["--engine", s.engine]
+    argv = [python, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
+            "--port", str(s.base_port + k), *engine_options(s, cuda=k < len(cfg.pipeline.server_devices))]
     if s.api_key:
         argv += ["--api-key", s.api_key]
-    return argv
+    return argv + [str(a) for a in s.extra_args]
+
+
+def engine_options(s: Any, cuda: bool) -> list[str]:
+    """`server.*` as the engine's own options. vLLM and SGLang pick their device themselves (CUDA_VISIBLE_DEVICES
+    is set per server) and take their threads from OMP_NUM_THREADS (`thread_env`), so no --device / --threads."""
+    if s.engine == "builtin":
+        return ["--dtype", s.dtype, "--max-batch", str(s.max_batch), "--max-model-len", str(s.max_model_len),
+                "--max-tokens-per-step", str(s.max_tokens_per_step), "--threads", str(s.threads),
+                *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
+                *(["--device", "cuda"] if cuda else [])]
+    if s.engine == "vllm":  # vLLM's engine arguments (parsed by vLLM: engine/vllm_backend/launcher.py)
+        return ["--engine", "vllm", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+                "--max-num-seqs", str(s.max_batch), "--max-num-batched-tokens", str(s.max_tokens_per_step)]
+    if s.engine == "sglang":  # SGLang's server arguments (engine/sglang_backend/launcher.py)
+        return ["--engine", "sglang", "--dtype", s.dtype, "--context-length", str(s.max_model_len),
+                "--max-running-requests", str(s.max_batch), "--chunked-prefill-size", str(s.max_tokens_per_step)]
+    raise ValueError(f"server.engine must be builtin, vllm or sglang, got {s.engine!r}")
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -155,7 +173,6 @@ def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]
 
 def fresh_run_dir(run_dir: Path) -> None:
     """A run starts from an empty record: old metrics, logs, event files and report of the same name go."""
-    import shutil
 
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "report.html", "summary.json"):

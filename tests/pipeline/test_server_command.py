@@ -1,0 +1,69 @@
+"""The launcher's server command lines (pipeline/launch_common.py `server_command`): each engine gets options its
+own parser takes. The built-in line is parsed here by `inflight serve`'s parser; the vLLM line by our vLLM launcher's
+parser, leaving only vLLM engine arguments (vLLM's own parser reads them in tests/vllm/test_vllm_pipeline.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from inflight.config import RunConfig, load_config
+from inflight.engine import serve
+from inflight.engine.serve import strip_engine_flag
+from inflight.pipeline.launch_common import check_config, server_command
+
+BUILTIN_ONLY = {"--max-batch", "--max-tokens-per-step", "--threads", "--device", "--generator-precision"}
+
+
+def cfg_of(*overrides: str):
+    return load_config(RunConfig, None, ["model.path=/m", "server.base_port=9000", *overrides])
+
+
+def test_builtin_line_parses_with_serve():
+    cfg = cfg_of("server.max_batch=7", "server.max_tokens_per_step=99", "server.threads=3",
+                 "pipeline.server_devices=[0]", "server.extra_args=[--max-waiting,5]")
+    argv = server_command(cfg, 0)
+    assert argv[:4] == [sys.executable, "-m", "inflight.cli", "serve"]  # ray_roles.py drops these four
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(argv[4:])
+    assert (args.engine, args.port, args.max_batch, args.max_tokens_per_step, args.threads, args.device,
+            args.max_waiting) == ("builtin", 9000, 7, 99, 3, "cuda", 5)
+
+
+def test_vllm_line_maps_the_builtin_flags():
+    from inflight.engine.vllm_backend.launcher import add_arguments
+
+    cfg = cfg_of("server.engine=vllm", "server.python=/venv/bin/python", "server.max_batch=7",
+                 "server.max_tokens_per_step=99", "server.threads=3", "server.max_model_len=300",
+                 "pipeline.server_devices=[0,1]", "server.api_key=k",
+                 "server.extra_args=[--gpu-memory-utilization,0.5,--tensor-parallel-size,2,--max-num-seqs=9]")
+    argv = server_command(cfg, 1)
+    assert argv[:4] == ["/venv/bin/python", "-m", "inflight.cli", "serve"]
+    assert argv[argv.index("--engine") + 1] == "vllm"
+    assert not BUILTIN_ONLY & set(argv)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args, vllm_argv = p.parse_known_args(strip_engine_flag(argv[4:]))
+    assert (args.model, args.port, args.api_key) == ("/m", 9001, "k")
+    assert vllm_argv == ["--dtype", "float32", "--max-model-len", "300", "--max-num-seqs", "7",
+                         "--max-num-batched-tokens", "99", "--gpu-memory-utilization", "0.5",
+                         "--tensor-parallel-size", "2", "--max-num-seqs=9"]  # extra_args last: they win
+
+
+def test_sglang_line_has_no_builtin_flags():
+    argv = server_command(cfg_of("server.engine=sglang", "server.max_model_len=300"), 0)
+    assert not BUILTIN_ONLY & set(argv)
+    assert argv[argv.index("--context-length") + 1] == "300"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("server.engine=vlm", "server.engine must be builtin, vllm or sglang"),
+    ("server.python=/no/such/python", "server.python '/no/such/python' does not exist"),
+])
+def test_bad_server_settings_are_named(tmp_path, override, message):
+    cfg = load_config(RunConfig, None, [f"model.path={tmp_path}", "pipeline.max_steps=1", override])
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg)
