@@ -45,7 +45,10 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
         from inflight.pipeline.checkpoint import restore_trainer
 
         resume = restore_trainer(engine, resume_from)
-    if world > 1 and rank > 0:
+    # FSDP2 gathers weights with collectives, even at world 1: its pushes must not overlap the next step's
+    # forward (TrainerLoop pushes on a thread meanwhile), so every FSDP2 run takes the distributed loop
+    distributed = world > 1 or cfg.trainer.backend == "fsdp2"
+    if distributed and rank > 0:
         from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
         freeze_startup_objects()
@@ -66,7 +69,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
             resumed_from=resume_from)
     freeze_startup_objects()
     try:
-        if world > 1:
+        if distributed:
             from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 
             DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world,

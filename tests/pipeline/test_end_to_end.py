@@ -174,3 +174,18 @@ def test_killing_a_role_or_ctrl_c_stops_everything(tiny_model_dir, tmp_path, how
         while _alive(pid) and time.time() < deadline:
             time.sleep(0.1)
         assert not _alive(pid), f"{name} (pid {pid}) outlived the launcher"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks):
+    """The FSDP2 launch path a multi-GPU user takes (trainer.num_processes ranks, rank 0 pushes), here on gloo. At
+    world 1 too: FSDP2 gathers the pushed weights with collectives, which must not overlap a step's own."""
+    res = run_train(overrides(tiny_model_dir, tmp_path, "fsdp", "trainer.backend=fsdp2",
+                              f"trainer.num_processes={ranks}", "pipeline.max_steps=5", "actor.eval_every=0",
+                              "actor.max_new_tokens=48", "algo.entropy_coef=1e-6"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = records(tmp_path / "fsdp", "train_step")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["samples"] == 8 for r in steps)
+    assert [r["step"] for r in records(tmp_path / "fsdp", "weight_push")] == [1, 2, 3, 4, 5]
+    for k in (0, 1):
+        assert [r["weight_version"] for r in records(tmp_path / "fsdp", "server_metrics") if r["server"] == k][-1] == 5
