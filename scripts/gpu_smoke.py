@@ -193,9 +193,8 @@ def main() -> int:
     ap.add_argument("--vllm-python", default="", help="python of vLLM's environment (default: this one if it has vLLM)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip")
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="2: the two-GPU stages (NCCL, FSDP2 world 2)")
-    # single by default: FSDP2 at world 1 under `inflight train` can crash in the background push (a race between
-    # the push reading FSDP2's parameters and the next step's forward; seen on CPU, docs/backends.md)
-    ap.add_argument("--train-backend", default="single", help="trainer of the `inflight train` stage: single | fsdp2")
+    # FSDP2 by default: the trainer a multi-GPU run uses, here at world 1
+    ap.add_argument("--train-backend", default="fsdp2", help="trainer of the `inflight train` stage: fsdp2 | single")
     ap.add_argument("--stage-timeout", type=float, default=300.0)
     a = ap.parse_args()
     # SIGTERM as Ctrl-C: the stages' `with` blocks and handlers then stop the servers they started

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
-from inflight.algo.losses import lag_stats, merge_stats
+from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, merge_stats
 from inflight.algo.truncation import trains
 from inflight.pipeline.completions import completion_stats
 from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
@@ -36,6 +36,15 @@ def broadcast_bytes(blobs: list[bytes] | None, rank: int) -> list[bytes]:
         out.append(raw[pos:pos + k])
         pos += k
     return out
+
+
+def reduce_loss_stats(stats: dict[str, float]) -> dict[str, float]:
+    """The step's loss stats over all ranks (each holds its own share's): sums added, maxima maxed, means derived."""
+    sums = torch.tensor([float(stats.get(k, 0.0)) for k in SUM_KEYS], dtype=torch.float64)
+    maxes = torch.tensor([float(stats.get(k, 0.0)) for k in MAX_KEYS], dtype=torch.float64)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    return derive_stats({**dict(zip(SUM_KEYS, sums.tolist())), **dict(zip(MAX_KEYS, maxes.tolist()))})
 
 
 class DistributedTrainerLoop(TrainerLoop):
@@ -81,6 +90,7 @@ class DistributedTrainerLoop(TrainerLoop):
         kept = [(s, a) for g, adv in zip(mine, advs) for s, a in zip(g, adv) if trains(s, self.cfg.algo.truncated)]
         acc.add([s for s, _ in kept], [a for _, a in kept])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step
+        loss = reduce_loss_stats(stats)
         version = self.engine.version
         t_train = time.time() - t0 - wait_s
         samples = [s for g in everything for s in g]
@@ -98,7 +108,9 @@ class DistributedTrainerLoop(TrainerLoop):
         self.stream.ack(self.stream.consumed - len(self.order))
         n_tok = count_loss_tokens([s for s in samples if trains(s, self.cfg.algo.truncated)])
         record = {
-            "loss": stats.get("loss"), "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
+            **{k: loss[k] for k in ("loss", "ratio_mean", "ratio_max", "clip_frac", "mask_frac", "ess", "kl",
+                                    "entropy")},
+            "grad_norm": stats.get("grad_norm"), "lr": stats.get("lr"),
             **lag_stats(samples, version - 1), **version_mix(samples),
             "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
             "samples": len(samples), "samples_total": self.samples_trained, "tokens": n_tok, "ranks": self.world,

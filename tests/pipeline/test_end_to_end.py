@@ -186,6 +186,8 @@ def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks):
     assert res.returncode == 0, res.stderr[-3000:]
     steps = records(tmp_path / "fsdp", "train_step")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["samples"] == 8 for r in steps)
+    # step 1 trains on data of the starting weights: the trainer's logprobs (every rank's share) equal the servers'
+    assert steps[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and steps[0]["ratio_max"] < 1.01
     assert [r["step"] for r in records(tmp_path / "fsdp", "weight_push")] == [1, 2, 3, 4, 5]
     for k in (0, 1):
         assert [r["weight_version"] for r in records(tmp_path / "fsdp", "server_metrics") if r["server"] == k][-1] == 5
