@@ -173,7 +173,6 @@ def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]
 
 def fresh_run_dir(run_dir: Path) -> None:
     """A run starts from an empty record: old metrics, logs, event files and report of the same name go."""
-
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in ("metrics.jsonl", "report.html", "summary.json"):
         (run_dir / name).unlink(missing_ok=True)
