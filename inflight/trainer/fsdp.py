@@ -12,6 +12,11 @@ ranks, so gradients are SUMMED across ranks (divide factor 1), which makes the s
 all the micro-batches.
 
 gloo has no PREMUL_SUM / AVG reduce-scatter: with divide factor 1 we force plain SUM collectives, which gloo runs.
+
+Two process groups over the same ranks: the default one (NCCL on CUDA, gloo on CPU) carries FSDP's collectives on
+device tensors; `cpu_group`, always gloo, carries the small collectives on CPU tensors (the step's samples, the stop
+flag, micro-batch counts, barriers). NCCL has no CPU tensors, so these must never use the default group; the CPU
+runs (tests) use the very same layout, so the group choice is exercised without a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from inflight.contracts import tied_aliases
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, load_model
+
+TIMEOUT = timedelta(minutes=10)  # rank 0 may wait for servers (startup_timeout_s) while the others wait here
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,6 +55,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         super().__init__(model_path, cfg)
         self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
+        self.cpu_group: dist.ProcessGroup | None = None  # gloo over all ranks, for CPU tensors (init)
 
     def init(self) -> None:
         from transformers import AutoTokenizer
@@ -55,14 +63,17 @@ class FSDP2Trainer(SingleDeviceTrainer):
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         cuda = self.cfg.device.startswith("cuda")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if cuda:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+        if cuda:  # the device first: NCCL binds each rank's communicator to the current device
+            local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+            self.device = torch.device("cuda", int(local) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT,
+                                    device_id=self.device if cuda else None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # collective: every rank, same order
         model = load_model(self.model_path, self.cfg, "cpu")
         mp = None
         if self.cfg.precision == "bf16-mixed":
@@ -101,7 +112,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
             model.save_pretrained(out_dir)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
-        dist.barrier()
+        dist.barrier(group=self.cpu_group)
 
     # ---- checkpoints: the sharded optimizer state, gathered into one full (unsharded) state dict --------------
     def train_state(self) -> dict:
