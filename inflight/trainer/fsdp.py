@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from inflight.contracts import tied_aliases
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer
-from inflight.trainer.single import SingleDeviceTrainer, load_model
+from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
 
 TIMEOUT = timedelta(minutes=10)  # rank 0 may wait for servers (startup_timeout_s) while the others wait here
 
@@ -74,7 +74,12 @@ class FSDP2Trainer(SingleDeviceTrainer):
                                     device_id=self.device if cuda else None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # collective: every rank, same order
-        model = load_model(self.model_path, self.cfg, "cpu")
+        # Only rank 0 reads the checkpoint (full float32 on the host, once per machine instead of once per rank);
+        # every rank builds the model on the meta device, shards it, allocates its shard on the device, and gets
+        # the values from rank 0: parameters and persistent buffers by set_model_state_dict(broadcast_from_rank0),
+        # non-persistent buffers (rotary inv_freq) by a broadcast each.
+        source = load_model(self.model_path, self.cfg, "cpu") if self.rank == 0 else None
+        model = self._meta_model()
         mp = None
         if self.cfg.precision == "bf16-mixed":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -90,9 +95,37 @@ class FSDP2Trainer(SingleDeviceTrainer):
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses already normalise by the whole step
                 m.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+        model.to_empty(device=self.device)
+        self._values_from_rank0(model, source)
+        del source
         self.model = model
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation(self.cfg))
+        return for_training(model, self.cfg)
+
+    def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
+        """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = source.state_dict() if source is not None else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        theirs = dict(source.named_buffers()) if source is not None else {}
+        group = None if self.device.type == "cuda" else self.cpu_group  # device tensors: NCCL on CUDA
+        with torch.no_grad():
+            for name, buf in model.named_buffers():  # the same order on every rank
+                if source is not None:
+                    buf.copy_(theirs[name])
+                dist.broadcast(buf, 0, group=group)
 
     def save(self, out_dir: str) -> None:
         """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time)."""

@@ -89,7 +89,7 @@ def token_logprobs(
     rows = max(1, chunk_elems // max(1, logits.shape[-1]))
     grad = torch.is_grad_enabled() and logits.requires_grad
     lps, ents = [], []
-    for a in range(0, logits.shape[0] - 1, rows):
+    for a in range(0, max(1, logits.shape[0] - 1), rows):  # one token: an empty chunk keeps the autograd graph
         b = min(a + rows, logits.shape[0] - 1)
         args = (logits[a:b], ids[a + 1:b + 1], batch.temperature, need_entropy)
         if grad and rows < logits.shape[0] - 1:

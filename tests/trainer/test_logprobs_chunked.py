@@ -66,3 +66,4 @@ def test_no_grad_path_and_single_token():
     one = empty_batch(1, 1)  # a one-token batch: nothing predicts its token
     lp, ent = token_logprobs(torch.randn(1, V, requires_grad=True), one, need_entropy=True, chunk_elems=V)
     assert lp.tolist() == [0.0] and ent.tolist() == [0.0]
+    assert lp.requires_grad  # still in the graph: FSDP's empty micro-batch backpropagates 0 * lp.sum()
