@@ -33,7 +33,10 @@ from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
 
-TIMEOUT = timedelta(minutes=10)  # rank 0 may wait for servers (startup_timeout_s) while the others wait here
+# Ranks > 0 wait in their first collective while rank 0 waits for the servers (pipeline.startup_timeout_s: up to
+# 13 min for four vLLM servers) and forms the weight group (up to 10 min): a dead rank stops the run through the
+# launcher, this only bounds a hung one.
+TIMEOUT = timedelta(minutes=30)
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
