@@ -81,14 +81,16 @@ def placed(calls: dict[str, Any], timeout_s: float, asked: dict[str, dict[str, f
     late = [role for role, ref in calls.items() if ref not in ready]
     if late:
         total, free = ray.cluster_resources(), ray.available_resources()
-        unfit = [r for r in late if any(free.get(k, 0.0) < v for k, v in asked[r].items())]
+        never = [r for r in late if any(total.get(k, 0.0) < v for k, v in asked[r].items())]
         what = "; ".join(f"'{r}' asks for {_fmt(asked[r])}" for r in late)
-        why = (f"the free resources cannot hold {', '.join(repr(r) for r in unfit)}: Ray waits for them forever"
-               if unfit else "they fit the free resources, so the roles are still starting")
+        why = (f"the cluster can never hold {', '.join(repr(r) for r in never)}: Ray would wait forever"
+               if never else "each fits the cluster, so a role is waiting for resources other roles hold, or still "
+                             "starting (a server loading its model)")
         raise RoleFailed(late[0], f"Ray roles not up within {timeout_s:g} s (pipeline.startup_timeout_s): {what}. "
                                   f"The cluster has {_fmt(total)}, free now {_fmt(free)}; {why}. Give the cluster "
                                   "more (ray start --num-cpus / --num-gpus / --resources), ask for less "
-                                  "(server.threads, trainer.threads, server_devices), or fix pipeline.ray_resources")
+                                  "(server.threads, trainer.threads, server_devices), fix pipeline.ray_resources, "
+                                  "or raise pipeline.startup_timeout_s")
     return dict(zip(calls, ray.get(refs)))
 
 

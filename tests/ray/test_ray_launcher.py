@@ -133,7 +133,7 @@ def test_unplaceable_role_fails_naming_resources(ray_cluster):
         msg = str(err.value)
         assert "'actor' asks for {CPU: 1, node_c: 0.001}" in msg and "'server0' asks for {CPU: 64}" in msg
         assert "The cluster has {CPU: 8," in msg and "node_a: 1" in msg and "node_b: 1" in msg
-        assert "cannot hold 'actor', 'server0'" in msg and "pipeline.startup_timeout_s" in msg
+        assert "can never hold 'actor', 'server0'" in msg and "pipeline.startup_timeout_s" in msg
         for a in (fits, lost, big):
             ray.kill(a)
     finally:
