@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,11 +27,22 @@ class PipelineConfig:
     weight_sync_port: int = 29555  # TCPStore port of the weight-update process group
     # launcher
     launcher: str = "local"  # local (one host, processes) | ray (the hosts of a Ray cluster, docs/multi-host.md)
-    ray_address: str = ""  # Ray cluster to join: host:port, or "auto"; empty = a running local one, else a new one
+    ray_address: str = ""  # Ray cluster: host:port, "auto" (the one `ray start` began here); empty: a new one
     ray_resources: dict[str, str] = field(default_factory=dict)  # role -> Ray resource that pins it to hosts
-    startup_timeout_s: float = 180.0  # wait this long for every server's /health
+    startup_timeout_s: float = 0.0  # /health, Ray placement; 0: 180 s builtin, vLLM/SGLang 600 s + 60/server
     scrape_every_s: float = 2.0  # how often the launcher reads each server's /metrics
     progress: bool = True  # live progress line in the terminal
     warn_truncated_frac: float = 0.5  # warn (log + "warning" event) when more than this share is cut off by the limit
     warn_truncated_steps: int = 20  # ... for this many steps in a row (0 = never)
     log_tail_lines: int = 15  # lines of a failed role's log printed on failure
+
+
+def startup_timeout(cfg: Any) -> float:
+    """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
+    SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
+    if cfg.pipeline.startup_timeout_s > 0:
+        return float(cfg.pipeline.startup_timeout_s)
+    if cfg.server.engine == "builtin" and cfg.trainer.protocol == "inflight":
+        return 180.0
+    servers = len(cfg.pipeline.server_urls) or cfg.server.num_servers
+    return 600.0 + 60.0 * max(0, servers - 1)

@@ -1,6 +1,6 @@
 """The trainer loop over N FSDP2 ranks. Rank 0 alone talks to the stream and the servers: it takes the step's
 groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
-over the default process group; all ranks then run the collective forward/backward (StepAccumulator keeps their
+over the trainer's gloo group (cpu_group); all ranks then run the collective forward/backward (StepAccumulator keeps their
 micro-batch counts equal), the optimizer step, and the weight gather that rank 0 streams to the servers."""
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.packing import count_loss_tokens
 
 
-def broadcast_bytes(blobs: list[bytes] | None, rank: int) -> list[bytes]:
-    """Rank 0's list of byte strings to every rank (lengths first, then one uint8 buffer)."""
+def broadcast_bytes(blobs: list[bytes] | None, rank: int, group: Any) -> list[bytes]:
+    """Rank 0's list of byte strings to every rank (lengths first, then one uint8 buffer). CPU tensors: `group`
+    must be a gloo group (the trainer's cpu_group; NCCL, the default group on CUDA, has no CPU tensors)."""
     n = torch.tensor([len(blobs) if rank == 0 else 0], dtype=torch.long)
-    dist.broadcast(n, 0)
+    dist.broadcast(n, 0, group=group)
     lens = torch.tensor([len(b) for b in blobs] if rank == 0 else [0] * int(n), dtype=torch.long)
-    dist.broadcast(lens, 0)
+    dist.broadcast(lens, 0, group=group)
     buf = (torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if rank == 0 and int(lens.sum())
            else torch.empty(int(lens.sum()), dtype=torch.uint8))
     if buf.numel():
-        dist.broadcast(buf, 0)
+        dist.broadcast(buf, 0, group=group)
     raw, out, pos = buf.numpy().tobytes(), [], 0
     for k in lens.tolist():
         out.append(raw[pos:pos + k])
@@ -76,10 +77,11 @@ class DistributedTrainerLoop(TrainerLoop):
         t0 = time.time()
         groups, wait_s, stop = self._collect() if self.rank == 0 else ([], 0.0, False)
         flag = torch.tensor([int(stop)], dtype=torch.long)
-        dist.broadcast(flag, 0)
+        dist.broadcast(flag, 0, group=self.engine.cpu_group)
         if int(flag):
             raise StopTraining
-        blobs = broadcast_bytes([encode_group(g) for g in groups] if self.rank == 0 else None, self.rank)
+        blobs = broadcast_bytes([encode_group(g) for g in groups] if self.rank == 0 else None, self.rank,
+                                self.engine.cpu_group)
         everything = [decode_group(b) for b in blobs]
         mine = everything[self.rank::self.world]
         n_seq = sum(len(g) for g in everything)

@@ -15,6 +15,7 @@ import httpx
 
 from inflight.config import save_config
 from inflight.pipeline import checkpoint as ckpt
+from inflight.pipeline.config import startup_timeout
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
 
@@ -129,6 +130,7 @@ def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.Check
     resolved config there. Returns (cfg, run_dir, checkpoint folder or None, its state or None)."""
     check_config(cfg)
     cfg = actor_config_for(cfg)
+    cfg.pipeline.startup_timeout_s = startup_timeout(cfg)  # resolved once: every role reads this value
     run_dir = run_dir_of(cfg)
     resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
     if not resume:

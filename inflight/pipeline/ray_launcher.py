@@ -21,6 +21,7 @@ from typing import Any
 from inflight.pipeline.launch_common import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
+from inflight.pipeline.ray_cluster import connect, placed, role_cpus
 from inflight.pipeline.supervise import RoleFailed, supervise
 
 PIN_AMOUNT = 0.001  # of a pinning resource per role: any number of roles fit on the host that has it
@@ -47,16 +48,6 @@ def check_ray_config(cfg: Any) -> str:
     return key
 
 
-def connect(address: str) -> None:
-    """Join the cluster at `address` ('auto' = the one started on this host with `ray start`); empty: a running
-    local cluster if there is one, else a new one inside this process's lifetime."""
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("pipeline.launcher=ray needs Ray: pip install 'inflight-rl[ray]'") from None
-    ray.init(address=address or None, log_to_driver=False, logging_level="WARNING")
-
-
 def _resources(cfg: Any, role: str) -> dict[str, float]:
     res = cfg.pipeline.ray_resources.get(role)
     return {str(res): PIN_AMOUNT} if res else {}
@@ -71,7 +62,7 @@ def start_servers(cfg: Any, run_dir: str, model: str) -> list[Any]:
     for k in range(cfg.server.num_servers):
         gpus = 1 if k < len(cfg.pipeline.server_devices) else 0  # same rule as the local launcher; Ray picks the GPU
         cls = ray.remote(ServerActor).options(
-            name=f"{cfg.name}-server{k}", num_cpus=max(1, cfg.server.threads), num_gpus=gpus,
+            name=f"{cfg.name}-server{k}", num_cpus=role_cpus(cfg)[f"server{k}"], num_gpus=gpus,
             resources=_resources(cfg, f"server{k}"), max_restarts=MAX_RESTARTS if cfg.pipeline.restart_servers else 0,
             max_concurrency=4)
         out.append(cls.remote(cfg, k, run_dir, model))
@@ -89,12 +80,13 @@ def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_f
     from inflight.pipeline.ray_roles import RoleActor
 
     n = cfg.trainer.num_processes if cfg.trainer.backend == "fsdp2" else 1
-    cpus, gpus = max(1, cfg.trainer.threads), (1 if cfg.trainer.device.startswith("cuda") else 0)
+    cpus, gpus = role_cpus(cfg)["trainer"], (1 if cfg.trainer.device.startswith("cuda") else 0)
     pg, opts = None, [{} for _ in range(n)]
     if n > 1:
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **_resources(cfg, "trainer")}
         pg = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=f"{cfg.name}-trainer")
-        ray.get(pg.ready(), timeout=cfg.pipeline.startup_timeout_s)
+        placed({"trainer": pg.ready()}, cfg.pipeline.startup_timeout_s,
+               {"trainer": {k: v * n for k, v in bundle.items()}})
         opts = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)}
                 for r in range(n)]
     else:
@@ -103,7 +95,8 @@ def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_f
     actors = [ray.remote(RoleActor).options(name=f"{cfg.name}-{names[r]}", num_cpus=cpus, num_gpus=gpus,
                                             max_restarts=0, **opts[r]).remote(names[r], run_dir) for r in range(n)]
     # the servers reach the trainer's weight-update store at the address Ray reports for rank 0's node
-    ip = ray.get(actors[0].node_ip.remote())
+    asked = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **_resources(cfg, "trainer")}
+    ip = placed({"trainer": actors[0].node_ip.remote()}, cfg.pipeline.startup_timeout_s, {"trainer": asked})["trainer"]
     node_ids = ray.get([a.node_id.remote() for a in actors])  # before run(): an actor runs one call at a time
     cfg.pipeline.weight_sync_host = ip
     env = {}
@@ -136,7 +129,7 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
     api_key = check_ray_config(cfg)
     cfg, run_dir, resume_from, state = open_run(cfg, resume)
     cfg.server.api_key = api_key  # after saving: a key from the environment is not written to config.yaml
-    connect(cfg.pipeline.ray_address)
+    connect(cfg)
     import ray
 
     log = MetricsLogger(run_dir, "launcher")
@@ -155,8 +148,14 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
 
         servers = start_servers(cfg, str(run_dir), str(resume_from or cfg.model.path))
         handles.extend(servers)
-        try:
-            urls = ray.get([s.url.remote() for s in servers], timeout=cfg.pipeline.startup_timeout_s)
+        asked = {f"server{k}": {"CPU": role_cpus(cfg)[f"server{k}"], **_resources(cfg, f"server{k}"),
+                                **({"GPU": 1} if k < len(cfg.pipeline.server_devices) else {})}
+                 for k in range(len(servers))}
+        try:  # a server Ray cannot place would wait forever: placed() names it and the cluster's resources
+            urls = list(placed({f"server{k}": s.url.remote() for k, s in enumerate(servers)},
+                               cfg.pipeline.startup_timeout_s, asked).values())
+        except RoleFailed:
+            raise
         except Exception as exc:
             raise RoleFailed("server", f"inference servers did not start: {type(exc).__name__}: {exc}") from exc
         log.log("servers_ready", urls=urls)
@@ -165,12 +164,15 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
         handles.extend(trainers)
         pgs.extend([pg] if pg is not None else [])
         wait_healthy(urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)
-        actor = ray.remote(RoleActor).options(name=f"{cfg.name}-actor", num_cpus=1, max_restarts=0,
+        actor = ray.remote(RoleActor).options(name=f"{cfg.name}-actor", num_cpus=role_cpus(cfg)["actor"],
+                                              max_restarts=0,
                                               resources=_resources(cfg, "actor")).remote("actor", str(run_dir))
         handles.append(actor)
         names = ["trainer"] + [f"trainer-rank{r}" for r in range(1, len(trainer_refs))]
+        actor_node = placed({"actor": actor.node_id.remote()}, cfg.pipeline.startup_timeout_s,
+                            {"actor": {"CPU": role_cpus(cfg)["actor"], **_resources(cfg, "actor")}})["actor"]
         placement = {**{f"server{k}": n for k, n in enumerate(ray.get([s.node_id.remote() for s in servers]))},
-                     **dict(zip(names, trainer_nodes)), "actor": ray.get(actor.node_id.remote())}
+                     **dict(zip(names, trainer_nodes)), "actor": actor_node}
         actor_ref = actor.run.remote("actor_main", (cfg, str(run_dir), urls, stream, actor_resume), {})
         log.log("roles_started", launcher="ray", servers=urls, trainer_host=cfg.pipeline.weight_sync_host,
                 ray_nodes=placement)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.heap import freeze_startup_objects
+from inflight.pipeline.config import startup_timeout
 from inflight.pipeline.metrics import MetricsLogger
 
 
@@ -63,7 +64,7 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     from inflight.pipeline.launch_common import wait_healthy
 
-    wait_healthy(server_urls, [], cfg.pipeline.startup_timeout_s, cfg.server.api_key)  # servers may still load
+    wait_healthy(server_urls, [], startup_timeout(cfg), cfg.server.api_key)  # servers may still load
     sync.init_process_group()
     log.log("trainer_ready", step=engine.version, init_s=time.time() - t0, pid=os.getpid(),
             resumed_from=resume_from)

@@ -43,6 +43,7 @@ from inflight.algo.truncation import trains
 from inflight.contracts import Group, Sample
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
 from inflight.pipeline.completions import TruncationAlarm, completion_stats
+from inflight.pipeline.config import startup_timeout
 from inflight.pipeline.ordering import StartOrder
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 
@@ -343,7 +344,7 @@ class TrainerLoop:
                                        f"versions now {versions}; last error: {exc}") from exc
                 self.log.log("weight_sync_retry", step=version, attempt=attempt + 1, error=str(exc)[:1000])
                 try:
-                    rejoin_weight_group(self.sync, self.cfg.pipeline.startup_timeout_s, self.cfg.server.api_key)
+                    rejoin_weight_group(self.sync, startup_timeout(self.cfg), self.cfg.server.api_key)
                 except Exception as rexc:  # counted as this attempt; the next one tries again
                     self.log.log("weight_sync_retry", step=version, rejoin_error=f"{type(rexc).__name__}: {rexc}")
         raise AssertionError("unreachable")

@@ -60,6 +60,7 @@ class StepAccumulator:
         self.pending: list[tuple[Sample, float]] = []
         self.stats: list[dict[str, float]] = []
         self.world_size = int(getattr(engine, "world_size", 1))
+        self.group = getattr(engine, "cpu_group", None)  # counts are CPU tensors: a gloo group (NCCL has none)
 
     def _pack(self, flush: bool) -> list[TrainBatch]:
         """Micro-batches ready now: when flushing, all; otherwise the full ones (the least-filled bin stays)."""
@@ -78,7 +79,7 @@ class StepAccumulator:
             n_tokens = count_loss_tokens([s for s, _ in self.pending])
         if self.world_size > 1 and self.num_tokens_in_step is None:
             t = torch.tensor([n_tokens], dtype=torch.long)
-            torch.distributed.all_reduce(t)
+            torch.distributed.all_reduce(t, group=self.group)
             n_tokens = int(t)
         out = [
             collate(
@@ -94,7 +95,7 @@ class StepAccumulator:
         n = len(batches)
         if self.world_size > 1:  # agree on the number of collective forward/backward passes
             t = torch.tensor([n], dtype=torch.long)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
             n = int(t)
         for k in range(n):
             real = k < len(batches)

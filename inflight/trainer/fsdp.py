@@ -12,6 +12,11 @@ ranks, so gradients are SUMMED across ranks (divide factor 1), which makes the s
 all the micro-batches.
 
 gloo has no PREMUL_SUM / AVG reduce-scatter: with divide factor 1 we force plain SUM collectives, which gloo runs.
+
+Two process groups over the same ranks: the default one (NCCL on CUDA, gloo on CPU) carries FSDP's collectives on
+device tensors; `cpu_group`, always gloo, carries the small collectives on CPU tensors (the step's samples, the stop
+flag, micro-batch counts, barriers). NCCL has no CPU tensors, so these must never use the default group; the CPU
+runs (tests) use the very same layout, so the group choice is exercised without a GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from inflight.contracts import tied_aliases
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer
-from inflight.trainer.single import SingleDeviceTrainer, load_model
+from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
+
+# Ranks > 0 wait in their first collective while rank 0 waits for the servers (pipeline.startup_timeout_s: up to
+# 13 min for four vLLM servers) and forms the weight group (up to 10 min): a dead rank stops the run through the
+# launcher, this only bounds a hung one.
+TIMEOUT = timedelta(minutes=30)
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,6 +58,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         super().__init__(model_path, cfg)
         self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
+        self.cpu_group: dist.ProcessGroup | None = None  # gloo over all ranks, for CPU tensors (init)
 
     def init(self) -> None:
         from transformers import AutoTokenizer
@@ -55,15 +66,23 @@ class FSDP2Trainer(SingleDeviceTrainer):
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         cuda = self.cfg.device.startswith("cuda")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        if cuda:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % torch.cuda.device_count())))
+        if cuda:  # the device first: NCCL binds each rank's communicator to the current device
+            local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+            self.device = torch.device("cuda", int(local) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        model = load_model(self.model_path, self.cfg, "cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT,
+                                    device_id=self.device if cuda else None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # collective: every rank, same order
+        # Only rank 0 reads the checkpoint (full float32 on the host, once per machine instead of once per rank);
+        # every rank builds the model on the meta device, shards it, allocates its shard on the device, and gets
+        # the values from rank 0: parameters and persistent buffers by set_model_state_dict(broadcast_from_rank0),
+        # non-persistent buffers (rotary inv_freq) by a broadcast each.
+        source = load_model(self.model_path, self.cfg, "cpu") if self.rank == 0 else None
+        model = self._meta_model()
         mp = None
         if self.cfg.precision == "bf16-mixed":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -79,9 +98,37 @@ class FSDP2Trainer(SingleDeviceTrainer):
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses already normalise by the whole step
                 m.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+        model.to_empty(device=self.device)
+        self._values_from_rank0(model, source)
+        del source
         self.model = model
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
+
+    def _meta_model(self) -> torch.nn.Module:
+        """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation(self.cfg))
+        return for_training(model, self.cfg)
+
+    def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
+        """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = source.state_dict() if source is not None else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        theirs = dict(source.named_buffers()) if source is not None else {}
+        group = None if self.device.type == "cuda" else self.cpu_group  # device tensors: NCCL on CUDA
+        with torch.no_grad():
+            for name, buf in model.named_buffers():  # the same order on every rank
+                if source is not None:
+                    buf.copy_(theirs[name])
+                dist.broadcast(buf, 0, group=group)
 
     def save(self, out_dir: str) -> None:
         """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time)."""
@@ -101,7 +148,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
             model.save_pretrained(out_dir)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
-        dist.barrier()
+        dist.barrier(group=self.cpu_group)
 
     # ---- checkpoints: the sharded optimizer state, gathered into one full (unsharded) state dict --------------
     def train_state(self) -> dict:

@@ -73,22 +73,49 @@ def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.devic
     return out.logits[0]
 
 
+CHUNK_ELEMS = 1 << 26  # float32 logits per chunk (256 MB): ~440 tokens at a 152k vocabulary
+
+
 def token_logprobs(
-    logits: torch.Tensor, batch: TrainBatch, need_entropy: bool = False
+    logits: torch.Tensor, batch: TrainBatch, need_entropy: bool = False, chunk_elems: int = CHUNK_ELEMS
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logprob[t] = log softmax(logits[t-1] / temperature)[input_ids[t]], 0 on each sample's first token
     (nothing predicts it); entropy[t] the entropy of that same distribution. Computed in float32 at least (bf16
-    logits are upcast; a float64 model stays float64)."""
+    logits are upcast; a float64 model stays float64), a chunk of rows at a time: the upcast copy of all [T, V]
+    logits (16k tokens x 152k vocabulary: 10 GB) never exists. With gradients each chunk is recomputed in backward
+    (checkpoint), so autograd keeps no float32 copy either."""
     ids = batch.input_ids.to(logits.device)
     first = batch.position_ids.to(logits.device) == 0
-    z = logits[:-1].to(torch.promote_types(logits.dtype, torch.float32)) / batch.temperature
-    lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(-1, ids[1:, None])[:, 0] - lse
-    lp = torch.cat([lp.new_zeros(1), lp])
+    rows = max(1, chunk_elems // max(1, logits.shape[-1]))
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    lps, ents = [], []
+    for a in range(0, max(1, logits.shape[0] - 1), rows):  # one token: an empty chunk keeps the autograd graph
+        b = min(a + rows, logits.shape[0] - 1)
+        args = (logits[a:b], ids[a + 1:b + 1], batch.temperature, need_entropy)
+        if grad and rows < logits.shape[0] - 1:
+            from torch.utils.checkpoint import checkpoint
+
+            lp, e = checkpoint(_rows_logprobs, *args, use_reentrant=False)
+        else:
+            lp, e = _rows_logprobs(*args)
+        lps.append(lp)
+        ents.append(e)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    lp = torch.cat([torch.zeros(1, dtype=dtype, device=logits.device), *lps])
     lp = torch.where(first, torch.zeros_like(lp), lp)
     ent = None
     if need_entropy:
-        p = torch.softmax(z, dim=-1)
-        e = lse - (p * z).sum(-1)
-        ent = torch.where(first, torch.zeros_like(lp), torch.cat([e.new_zeros(1), e]))
+        e = torch.cat([torch.zeros(1, dtype=dtype, device=logits.device), *ents])
+        ent = torch.where(first, torch.zeros_like(lp), e)
     return lp, ent
+
+
+def _rows_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float, need_entropy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of next_ids[i] (and the entropy) under row i of the logits, in float32 at least."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, next_ids[:, None])[:, 0] - lse
+    if not need_entropy:
+        return lp, None
+    return lp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)

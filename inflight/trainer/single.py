@@ -56,6 +56,11 @@ def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str =
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, attn_implementation=attn_implementation(cfg)
     ).to(device)
+    return for_training(model, cfg)
+
+
+def for_training(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
+    """No KV cache; gradient checkpointing when configured."""
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,11 +1,16 @@
 """A two-node Ray cluster on this machine (`ray start --head` + `ray start --address`, each with its own custom
 resource, node_a / node_b) and a redis-server, for the multi-host launcher tests. Every process is stopped at
-teardown: the `ray start --block` groups are killed, then `ray stop` runs, then the test checks nothing is left."""
+teardown: the `ray start --block` groups are killed, then `ray stop` runs, then the test checks nothing is left.
+
+Auth is explicit (docs/multi-host.md): token auth with this cluster's own token file (RAY_AUTH_MODE=token,
+RAY_AUTH_TOKEN_PATH) for the nodes, the test's driver and the `inflight train` it launches, under a temporary HOME
+whose ~/.ray/auth_token holds a stale token, as an earlier Ray run leaves it: the cluster must not depend on it."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -15,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from inflight.pipeline.ray_cluster import set_ray_auth
 from tests.reliability.pipeline_helpers import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+TOKEN = secrets.token_hex(16)  # one per session: a driver process keeps the first token it read
 
 
 def ray_processes() -> list[str]:
@@ -106,8 +113,22 @@ class RayCluster:
         subprocess.run([RAY, "stop"], capture_output=True, timeout=60)
 
 
+def explicit_token_auth(root: Path) -> dict[str, str | None]:
+    """Set HOME (with a stale ~/.ray/auth_token), RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (a fresh token) in
+    this process's environment, which the nodes and every driver inherit; returns the old values."""
+    home, token = root / "home", root / "cluster_token"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(16))  # stale: another cluster's
+    token.write_text(TOKEN)
+    new = {"HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_TOKEN": None}
+    old = {k: os.environ.get(k) for k in new}
+    set_ray_auth(new)  # ray is imported already (collection): its cached mode and token are refreshed
+    return old
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
+    old_env = explicit_token_auth(tmp_path_factory.mktemp("auth"))
     cluster = RayCluster(tmp_path_factory.mktemp("ray"))
     try:
         cluster.start_node("node_a", head=True)
@@ -120,6 +141,7 @@ def ray_cluster(tmp_path_factory):
         deadline = time.time() + 20
         while ray_processes() and time.time() < deadline:
             time.sleep(0.5)
+        set_ray_auth(old_env)
         left = ray_processes()
         assert not left, "Ray processes left after teardown:\n" + "\n".join(left)
 

@@ -108,3 +108,33 @@ def test_ray_trainer_death_stops_the_run(tiny_model_dir, tmp_path, ray_cluster, 
     failed = records(run, "role_failed")
     assert [r["failed_role"] for r in failed] == ["trainer"]
     assert all(refused(u) for u in started["servers"])  # the launcher stopped the servers on both nodes
+
+
+@pytest.mark.timeout(60)
+def test_unplaceable_role_fails_naming_resources(ray_cluster):
+    """A role Ray cannot place (a resource no node has, more CPUs than a node has) fails within the timeout with
+    what it asked for and what the cluster has, instead of waiting forever; a placeable one answers."""
+    import ray
+
+    from inflight.pipeline.ray_cluster import placed
+    from inflight.pipeline.ray_roles import RoleActor
+    from inflight.pipeline.supervise import RoleFailed
+
+    ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)
+    try:
+        fits = ray.remote(RoleActor).options(num_cpus=1, resources={"node_b": 0.001}).remote("fits", "/tmp")
+        lost = ray.remote(RoleActor).options(num_cpus=1, resources={"node_c": 0.001}).remote("lost", "/tmp")
+        big = ray.remote(RoleActor).options(num_cpus=64).remote("big", "/tmp")
+        got = placed({"fits": fits.node_id.remote()}, 30, {"fits": {"CPU": 1, "node_b": 0.001}})
+        assert got["fits"] in {n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"]}
+        with pytest.raises(RoleFailed) as err:
+            placed({"actor": lost.node_id.remote(), "server0": big.node_id.remote()}, 2,
+                   {"actor": {"CPU": 1, "node_c": 0.001}, "server0": {"CPU": 64}})
+        msg = str(err.value)
+        assert "'actor' asks for {CPU: 1, node_c: 0.001}" in msg and "'server0' asks for {CPU: 64}" in msg
+        assert "The cluster has {CPU: 8," in msg and "node_a: 1" in msg and "node_b: 1" in msg
+        assert "can never hold 'actor', 'server0'" in msg and "pipeline.startup_timeout_s" in msg
+        for a in (fits, lost, big):
+            ray.kill(a)
+    finally:
+        ray.shutdown()

@@ -23,6 +23,7 @@ from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
+from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402
 
 CFG = dict(lr=1e-2, max_grad_norm=1.0, threads=1, warmup_steps=1, schedule="cosine", total_steps=8)
@@ -42,6 +43,7 @@ def final_weights(t: FSDP2Trainer) -> dict[str, torch.Tensor]:
 
 
 def main(model_dir: str, run_dir: str, out: str) -> None:
+    default_group_refuses_cpu_tensors()  # as NCCL would on CUDA: CPU collectives must take the trainer's cpu_group
     a = FSDP2Trainer(model_dir, TrainerConfig(backend="fsdp2", **CFG))
     a.init()
     rank = a.rank
@@ -51,7 +53,7 @@ def main(model_dir: str, run_dir: str, out: str) -> None:
                                   run_dir, rank=rank, world_size=a.world_size)
     loop.checkpoint()
     path = Path(run_dir) / "checkpoints" / "step_000002"
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=a.cpu_group)
     for step in range(2, 4):
         train_step(a, step)
     wa = final_weights(a)

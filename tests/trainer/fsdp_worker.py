@@ -12,10 +12,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from inflight.pipeline.fsdp_loop import broadcast_bytes  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.config import TrainerConfig  # noqa: E402
+from inflight.trainer import fsdp as fsdp_module  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
+from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402
 
 CFG = dict(lr=1e-3, max_grad_norm=0.5, threads=1, warmup_steps=1, schedule="cosine", total_steps=3)
@@ -29,8 +32,16 @@ def step_samples(step: int, vocab: int):
 
 
 def main(model_dir: str, out: str) -> None:
+    default_group_refuses_cpu_tensors()  # as NCCL would on CUDA: CPU collectives must take t.cpu_group
+    loads = []
+    real_load = fsdp_module.load_model
+    fsdp_module.load_model = lambda *a, **k: loads.append(a) or real_load(*a, **k)
     t = FSDP2Trainer(model_dir, TrainerConfig(backend="fsdp2", **CFG))
     t.init()
+    assert len(loads) == (1 if t.rank == 0 else 0), "only rank 0 reads the checkpoint's weights"
+    assert torch.distributed.get_backend(t.cpu_group) == "gloo" and t.cpu_group is not torch.distributed.group.WORLD
+    sent = [b"", b"step", bytes(range(256)) * 3] if t.rank == 0 else None
+    assert broadcast_bytes(sent, t.rank, t.cpu_group) == [b"", b"step", bytes(range(256)) * 3]
     vocab = t.model.config.vocab_size
     stats = []
     for step in range(3):

@@ -35,7 +35,9 @@ log = logging.getLogger("inflight.trainer.protocols.vllm")
 
 
 class VLLMNcclSender(Broadcaster):
-    """Rank 0 of vLLM's weight-transfer NCCL group, built with vLLM's own trainer-side helper."""
+    """Rank 0 of vLLM's weight-transfer NCCL group, built with vLLM's own trainer-side helper. `trainer_init` binds
+    the communicator to `torch.accelerator.current_device_index()` (nccl_common.py, vLLM 0.32.0 and 0.33.0): it
+    runs on a helper thread that makes the trainer's device current first (ProtocolClient.host_group)."""
 
     def __init__(self, master_address: str, master_port: int, world_size: int):
         try:
@@ -74,6 +76,9 @@ class VLLMWeightSync(ProtocolClient):
         self.ranks = [int(self.request(u, "GET", "/get_world_size").get("world_size", 1)) for u in self.urls]
         offsets = self.rank_offsets()
 
+        # the workers build NCCLWeightTransferInitInfo(**init_info) (vllm/distributed/weight_transfer/nccl_common.py,
+        # the same fields in 0.32.0 and 0.33.0: master_address, master_port, rank_offset, world_size, packed=False
+        # by default); packed=False: one broadcast per tensor, in the announced order, as push() sends them
         def body(i: int) -> dict:
             return {"init_info": {"master_address": self.master_address, "master_port": self.master_port,
                                   "rank_offset": offsets[i], "world_size": self.world_size, "packed": False}}
