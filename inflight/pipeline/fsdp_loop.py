@@ -39,12 +39,13 @@ def broadcast_bytes(blobs: list[bytes] | None, rank: int, group: Any) -> list[by
     return out
 
 
-def reduce_loss_stats(stats: dict[str, float]) -> dict[str, float]:
-    """The step's loss stats over all ranks (each holds its own share's): sums added, maxima maxed, means derived."""
+def reduce_loss_stats(stats: dict[str, float], group: Any) -> dict[str, float]:
+    """The step's loss stats over all ranks (each holds its own share's): sums added, maxima maxed, means derived.
+    CPU tensors: `group` is the trainer's gloo cpu_group."""
     sums = torch.tensor([float(stats.get(k, 0.0)) for k in SUM_KEYS], dtype=torch.float64)
     maxes = torch.tensor([float(stats.get(k, 0.0)) for k in MAX_KEYS], dtype=torch.float64)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
     return derive_stats({**dict(zip(SUM_KEYS, sums.tolist())), **dict(zip(MAX_KEYS, maxes.tolist()))})
 
 
@@ -92,7 +93,7 @@ class DistributedTrainerLoop(TrainerLoop):
         kept = [(s, a) for g, adv in zip(mine, advs) for s, a in zip(g, adv) if trains(s, self.cfg.algo.truncated)]
         acc.add([s for s, _ in kept], [a for _, a in kept])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step
-        loss = reduce_loss_stats(stats)
+        loss = reduce_loss_stats(stats, self.engine.cpu_group)
         version = self.engine.version
         t_train = time.time() - t0 - wait_s
         samples = [s for g in everything for s in g]
