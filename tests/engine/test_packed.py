@@ -84,7 +84,10 @@ def test_a_repack_overtaken_by_an_update_is_dropped(sharp_model_dir, monkeypatch
         asyncio.run(eng.run_paused(lambda: eng.load_weights(w1, version=1)))
         _wait_repacked(eng.runner)  # update 1's packed weights wait for a step boundary ...
         asyncio.run(eng.run_paused(lambda: eng.load_weights(w2, version=2)))  # ... which comes after update 2
-        assert not eng.runner.install_packed() and not any(_packed(eng.runner))
+        # update 1's pack is never taken; update 2's may already be ready on a busy host (then it is the one taken,
+        # and the logprobs below, checked against update 2's weights, tell a stale pack apart)
+        installed = eng.runner.install_packed()
+        assert all(_packed(eng.runner)) if installed else not any(_packed(eng.runner))
         _wait_repacked(eng.runner)
         res = asyncio.run(_generate(eng, temperature=1.0))
         assert all(_packed(eng.runner))
