@@ -151,7 +151,7 @@ class CompletionRequest(_Sampling):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Response builders. `ch` is a finished choice: see server._Choice (text, token_ids, logprobs, tops, versions, ...).
+# Response builders. `ch` is a finished choice: see request.Choice (text, token_ids, logprobs, tops, versions, ...).
 # --------------------------------------------------------------------------------------------------------------
 
 

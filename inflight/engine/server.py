@@ -7,7 +7,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -20,6 +19,7 @@ from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
 from inflight.engine import openai_api as oa
 from inflight.engine.core import VersionNotReached
 from inflight.engine.guards import Admission, BodyLimit, QueueFull, check_master_address
+from inflight.engine.request import Choice, Generation
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
 from inflight.heap import freeze_startup_objects
 
@@ -36,88 +36,6 @@ class BadRequest(Exception):
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-class _Choice:
-    """One choice being generated: raw tokens as sampled, plus text with stop strings cut off."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.tops: list[list[tuple[int, float]]] = []
-        self.versions: list[int] = []
-        self.finish_reason: str | None = None
-        self.text = ""
-        self.sent = 0  # characters already streamed
-
-
-class _Generation:
-    """Drives one engine request (n choices) and applies stop strings on the decoded text."""
-
-    def __init__(self, engine: Any, prompt_ids: list[int], params: Any, stops: list[str], n: int, want_text: bool,
-                 min_version: int = 0, version_wait_s: float | None = None):
-        self.engine, self.prompt_ids, self.params, self.stops = engine, prompt_ids, params, stops
-        self.gate = {"min_version": min_version, "version_wait_s": version_wait_s} if min_version else {}
-        self.rid = uuid.uuid4().hex
-        self.choices = [_Choice(i) for i in range(n)]
-        self.incremental = bool(stops) or want_text  # decode after every token (stops / streaming)
-        self.hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
-
-    async def events(self) -> AsyncIterator[_Choice]:
-        """Yields the choice each engine event updated; aborts the engine request when done or cancelled."""
-        live = len(self.choices)  # choices still wanted by the client
-        engine_live = set(range(len(self.choices)))  # choices the engine has not finished
-        try:
-            # without stop strings or streaming nothing is needed before the end: the engine hands it all at once
-            async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params, stream=self.incremental,
-                                                 **self.gate):
-                ch = self.choices[ev.index]
-                if ev.finish_reason is not None:
-                    engine_live.discard(ev.index)
-                if ch.finish_reason is not None:
-                    continue  # already cut by a stop string
-                if ev.token_id >= 0:
-                    ch.token_ids.append(ev.token_id)
-                    ch.logprobs.append(float(ev.logprob))
-                    ch.versions.append(int(ev.version))
-                    if ev.top_logprobs is not None:
-                        ch.tops.append([(int(t), float(v)) for t, v in ev.top_logprobs])
-                    if self.incremental:
-                        self._update_text(ch)
-                if ev.finish_reason is not None and ch.finish_reason is None:
-                    ch.finish_reason = ev.finish_reason
-                if ch.finish_reason is not None:
-                    live -= 1
-                    if not self.incremental:
-                        ch.text = self.engine.tokenizer.decode(ch.token_ids, skip_special_tokens=True)
-                yield ch
-                if live == 0:
-                    break
-        finally:
-            if engine_live:  # stop strings hit, or the client went away
-                self.engine.abort(self.rid)
-
-    def _update_text(self, ch: _Choice) -> None:
-        text = self.engine.tokenizer.decode(ch.token_ids, skip_special_tokens=True)
-        if self.stops:
-            start = max(0, len(ch.text) - self.hold)
-            cuts = [i for s in self.stops if (i := text.find(s, start)) >= 0]
-            if cuts:
-                ch.text = text[: min(cuts)]
-                ch.finish_reason = "stop"
-                return
-        ch.text = text
-
-    def stream_delta(self, ch: _Choice) -> str:
-        """Text that is safe to send now (not a possible start of a stop string, not a partial character)."""
-        end = len(ch.text) if ch.finish_reason is not None else len(ch.text) - self.hold
-        if ch.finish_reason is None and ch.text.endswith("\ufffd"):
-            end = min(end, len(ch.text) - 1)
-        if end <= ch.sent:
-            return ""
-        delta, ch.sent = ch.text[ch.sent:end], end
-        return delta
 
 
 class _FastJSON(JSONResponse):
@@ -301,7 +219,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             raise BadRequest(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}", "prompt")
         return list(p)
 
-    def choice_body(kind: str, ch: _Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
+    def choice_body(kind: str, ch: Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
                     delta: str | None = None, new: slice | None = None) -> dict[str, Any]:
         sl = new or slice(0, len(ch.token_ids))
         ids, lps = ch.token_ids[sl], ch.logprobs[sl]
@@ -324,7 +242,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    async def run_full(kind: str, request: Request, gen: _Generation, model: str, top_n: int, want_lp: bool):
+    async def run_full(kind: str, request: Request, gen: Generation, model: str, top_n: int, want_lp: bool):
         """Non-streaming: generate every choice; cancel when the client goes away."""
 
         async def consume() -> None:
@@ -353,7 +271,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
         return _FastJSON(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
 
-    async def run_stream(kind: str, gen: _Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+    async def run_stream(kind: str, gen: Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
         """A request held for its weights waits here for its first event: a version that never comes is a 409, not
         a stream that breaks off after its headers."""
         rid = f"{kind}-{gen.rid}"
@@ -364,7 +282,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         events = gen.events()
         first = [await anext(events)] if gen.gate else []
 
-        async def choices() -> AsyncIterator[_Choice]:
+        async def choices() -> AsyncIterator[Choice]:
             for ch in first:
                 yield ch
             async for ch in events:
@@ -399,7 +317,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             # a request for weights not here yet is held by the engine (a version that never comes must not hold a
             # connection and a queue place forever: 409 after version_wait_s)
             min_version = req.min_weight_version or 0
-            gen = _Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream,
+            gen = Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream,
                               min_version=min_version if min_version > engine.version else 0,
                               version_wait_s=version_wait_s)
             if req.stream:
