@@ -38,18 +38,6 @@ def box_end(text: str, start: int) -> int | None:
     return None
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last complete `\\boxed{...}` in `text`, or None when there is none (or it never closes).
-    Lenient: it ignores what follows the box; verifiers use `final_boxed`."""
-    start = text.rfind(BOX)
-    while start != -1:
-        end = box_end(text, start)
-        if end is not None:
-            return text[start + len(BOX) : end - 1]
-        start = text.rfind(BOX, 0, start)  # unclosed: an earlier, complete box may still count
-    return None
-
-
 def final_boxed(text: str, trailer: re.Pattern[str] = WHITESPACE) -> str | None:
     """Content of the reply's one box when nothing but `trailer` follows it; None otherwise (no box, two boxes,
     an unclosed box, or anything else after it)."""
