@@ -63,6 +63,52 @@ class ShmSegment(_Strict):
     bytes: int = Field(gt=0, le=2**44)
 
 
+class AdapterSpec(_Strict):
+    """A LoRA adapter update (docs/inference-contract.md, "Adapter updates"): every announced tensor is
+    `<base>.lora_A` [rank, in] or `<base>.lora_B` [out, rank], where `<base>` names a 2-D parameter [out, in] of
+    the model; the server computes W = W0 + scaling * B @ A for each base and keeps W0 (the base weights)."""
+
+    rank: int = Field(ge=1, le=65536)
+    scaling: float = Field(allow_inf_nan=False)
+
+
+LORA_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def adapter_pairs(params: list[ParamInfo], rank: int) -> dict[str, tuple[ParamInfo, ParamInfo]]:
+    """{base name: (A, B)} of an adapter update's tensors, or ValueError naming every problem: a name without a
+    .lora_A/.lora_B suffix, a base missing its A or its B, a tensor not 2-D, a rank other than `rank`, A and B of
+    different dtypes. Whether each base exists in the model, with shape [B rows, A columns], is the server's check."""
+    problems: list[str] = []
+    halves: dict[str, dict[str, ParamInfo]] = {}
+    for p in params:
+        suffix = next((s for s in LORA_SUFFIXES if p.name.endswith(s)), None)
+        if suffix is None or len(p.name) == len(suffix):
+            problems.append(f"'{p.name}' is not '<base>.lora_A' or '<base>.lora_B'")
+            continue
+        halves.setdefault(p.name[: -len(suffix)], {})[suffix] = p
+    pairs: dict[str, tuple[ParamInfo, ParamInfo]] = {}
+    for base, h in halves.items():
+        a, b = h.get(".lora_A"), h.get(".lora_B")
+        if a is None or b is None:
+            problems.append(f"'{base}' has {'no .lora_A' if a is None else 'no .lora_B'}")
+            continue
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            problems.append(f"'{base}': lora_A {a.shape} and lora_B {b.shape} must both be 2-D")
+            continue
+        if a.shape[0] != rank or b.shape[1] != rank:
+            problems.append(f"'{base}': lora_A {a.shape} and lora_B {b.shape} do not have rank {rank} "
+                            "(A is [rank, in], B is [out, rank])")
+            continue
+        if a.dtype != b.dtype:
+            problems.append(f"'{base}': lora_A is {a.dtype}, lora_B is {b.dtype}")
+            continue
+        pairs[base] = (a, b)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return pairs
+
+
 class WeightUpdateRequest(_Strict):
     """Announce an update. Exactly one transport: `params` alone (broadcasts from rank 0, in this order: one per
     tensor, or with `bucket_bytes` > 0 one per bucket of `bucket_layout`), `params` with `shm` (a shared-memory
@@ -76,6 +122,9 @@ class WeightUpdateRequest(_Strict):
     mode: UpdateMode = "keep"
     bucket_bytes: int = Field(default=0, ge=0, le=2**40, description=(
         "0: one broadcast per tensor; > 0: tensors packed into flat byte buffers of at most this size (bucket_layout)"))
+    adapter: AdapterSpec | None = Field(default=None, description=(
+        "set: the tensors are a LoRA adapter (adapter_pairs) merged into the kept base weights; a full update "
+        "(adapter unset) replaces the base weights and drops any adapter"))
 
     @model_validator(mode="after")
     def _one_transport(self) -> "WeightUpdateRequest":
@@ -92,6 +141,8 @@ class WeightUpdateRequest(_Strict):
                 raise ValueError(f"duplicate tensor names: {sorted(dup)}")
             if not self.params:
                 raise ValueError("'params' is empty")
+            if self.adapter is not None:
+                adapter_pairs(self.params, self.adapter.rank)
         return self
 
 
