@@ -61,7 +61,7 @@ TRL_PY = CACHE / "trl" / "bin" / "python"
 PY = sys.executable
 HERE = Path(__file__).resolve().parent / "peers"
 sys.path.insert(0, str(HERE))
-from arith_eval import PRESETS  # noqa: E402
+from arith_eval import PRESETS, arith_task  # noqa: E402
 
 
 # ---- setup ----------------------------------------------------------------------------------------------------
