@@ -6,7 +6,7 @@ class LoraConfig:
     """Train a LoRA adapter (PEFT) instead of the full model: the base stays frozen, the optimizer holds only the
     adapter, and each push sends only the adapter's A/B matrices (docs/inference-contract.md, "Adapter updates")."""
 
-    rank: int = 8
+    rank: int = 8  # the adapter's rank r: A is [r, in], B is [out, r] per adapted linear layer
     alpha: float = 16.0  # scaling = alpha / rank (alpha / sqrt(rank) with rslora)
     dropout: float = 0.0  # on the adapter's input in training (RL: keep 0, the behaviour logprobs have none)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's names; all-linear: not lm_head
