@@ -323,13 +323,15 @@ def test_adapter_on_a_tied_model(tied_model_dir, tmp_path):
         assert version_of(srv.url) == 1
 
 
-def test_adapter_over_shared_memory(server, sync, tiny_model_dir, tmp_path):
+def test_adapter_of_every_linear_over_shared_memory(server, sync, tiny_model_dir, tmp_path):
     from inflight.contracts import shm_layout
     from inflight.shm_weights import ShmWriter, announcement_digest
 
     w0 = base_weights(tiny_model_dir, seed=80)
     sync.push(w0.items(), version=80)
-    adapter = make_adapter(w0, [Q0, O1], rank=8, seed=80)
+    linears = [n for n in w0 if "_proj." in n]  # every linear weight: more tensors than the model has parameters
+    adapter = make_adapter(w0, linears, rank=8, seed=80, scale=0.15)
+    assert len(adapter) > len(w0)
     body = body_of(adapter, 81, 8, 0.25)
     infos = [ParamInfo(**p) for p in body["params"]]
     offsets, data_bytes = shm_layout(infos)
