@@ -321,3 +321,135 @@ def test_adapter_on_a_tied_model(tied_model_dir, tmp_path):
         r = push_file(srv.url, tmp_path, head, 2, rank=4, scaling=1.0)
         assert r.status_code == 400 and "tied to 'model.embed_tokens.weight'" in r.text, r.text
         assert version_of(srv.url) == 1
+
+
+def test_adapter_of_every_linear_over_shared_memory(server, sync, tiny_model_dir, tmp_path):
+    from inflight.contracts import shm_layout
+    from inflight.shm_weights import ShmWriter, announcement_digest
+
+    w0 = base_weights(tiny_model_dir, seed=80)
+    sync.push(w0.items(), version=80)
+    linears = [n for n in w0 if "_proj." in n]  # every linear weight: more tensors than the model has parameters
+    adapter = make_adapter(w0, linears, rank=8, seed=80, scale=0.15)
+    assert len(adapter) > len(w0)
+    body = body_of(adapter, 81, 8, 0.25)
+    infos = [ParamInfo(**p) for p in body["params"]]
+    offsets, data_bytes = shm_layout(infos)
+    writer = ShmWriter(str(tmp_path))
+    try:
+        body["shm"] = writer.write(list(adapter.items()), [p.dtype for p in infos], offsets, data_bytes, 81,
+                                   announcement_digest(infos))
+        r = httpx.post(server.url + "/request_weight_update", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        writer.discard()
+    after = chat(server.url)
+    assert set(after["token_versions"]) == {81}
+    assert max_error(tiny_model_dir, merged64(w0, adapter, 0.25), after) < 1e-3
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+def test_adapter_rebuilds_the_derived_generator_weights(tiny_model_dir, tmp_path, monkeypatch, precision):
+    """The forward computes with weights derived from the master (oneDNN-packed float32, bf16, int8): an adapter
+    update must reach them, as a full update does. The fused q|k|v matrix the forward uses = merged q, k, v."""
+    import asyncio
+
+    from inflight.contracts import WeightUpdateRequest
+    from inflight.engine import precision as prec
+    from inflight.engine.core import InferenceEngine
+    from inflight.engine.weight_receiver import WeightReceiver
+
+    monkeypatch.setattr(prec, "PACK_MIN_ELEMENTS", 1)  # the tiny matrices would not be packed otherwise
+    eng = InferenceEngine(str(tiny_model_dir), max_batch=2, max_model_len=64, generator_precision=precision)
+    w0 = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    adapter = make_adapter(w0, [Q0, "model.layers.0.self_attn.k_proj.weight"], rank=4, seed=1)
+    path = tmp_path / "a.safetensors"
+    save_file(adapter, str(path))
+    receiver = WeightReceiver(eng)
+    builds = eng.runner.weight_builds
+    eng.start()
+    try:
+        answer = asyncio.run(receiver.update(WeightUpdateRequest(
+            version=1, path=str(path), adapter={"rank": 4, "scaling": 1.5})))
+    finally:
+        eng.stop()
+    assert answer["version"] == 1 and eng.version == 1 and eng.runner.weight_builds == builds + 1
+    want = merged64(w0, adapter, 1.5)
+    qkv = torch.cat([want[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv"]).float()
+    L = eng.runner.gen.layers[0]
+    eye = torch.eye(qkv.shape[1], dtype=eng.runner.dtype)
+    got = prec.linear(eye, L["w_qkv"], L["b_qkv"]).float().T  # = the matrix the forward multiplies with
+    tol = {"float32": 1e-5, "bfloat16": 2e-2, "int8": 2e-2}[precision]
+    assert (got - qkv).abs().max() < tol * max(1.0, qkv.abs().max().item())
+    old = torch.cat([w0[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv"])
+    assert (got - old).abs().max() > 5 * tol  # not the weights before the update
+
+
+def _save_peft_adapter(model_dir, out, use_rslora: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0, use_rslora=use_rslora,
+                     target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model = get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # lora_B starts at zero: give it values, or the adapter would change nothing
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_peft_folder_is_read_with_peft_names_and_scaling(tiny_model_dir, tmp_path, use_rslora):
+    """read_peft_adapter against PEFT itself: W0 + s * B @ A from the saved folder, in float64, gives PEFT's own
+    (unmerged) forward."""
+    from inflight.modelkit.peft_adapter import read_peft_adapter
+
+    peft_model = _save_peft_adapter(tiny_model_dir, tmp_path / "adapter", use_rslora)
+    adapter = read_peft_adapter(str(tmp_path / "adapter"))
+    assert adapter.rank == 4 and adapter.scaling == pytest.approx(12 / 2 if use_rslora else 12 / 4)
+    assert len(adapter.tensors) == 2 * 3 * 2  # (A, B) x 3 modules x 2 layers
+    assert adapter.tensors[Q0 + ".lora_A"].shape == (4, 64) and adapter.tensors[Q0 + ".lora_B"].shape == (64, 4)
+    from transformers import AutoModelForCausalLM
+
+    saved = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32).named_parameters()}
+    ids = list(range(5, 25))
+    ref = reference(tiny_model_dir, merged64(saved, adapter.tensors, adapter.scaling), ids, 1)
+    with torch.no_grad():
+        lp = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0].double(), -1)
+    peft_lps = [lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(ref, peft_lps)) < 1e-4
+
+
+def test_serve_starts_from_a_saved_peft_adapter(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from inflight.engine.serve import ServerProcess
+    from inflight.modelkit.peft_adapter import read_peft_adapter
+
+    _save_peft_adapter(tiny_model_dir, tmp_path / "adapter", use_rslora=False)
+    adapter = read_peft_adapter(str(tmp_path / "adapter"))
+    w0 = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32).named_parameters()}
+    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512", "--adapter",
+                                                        str(tmp_path / "adapter")],
+                       env={"OMP_NUM_THREADS": "1"}) as srv:
+        first = chat(srv.url)
+        assert set(first["token_versions"]) == {0}
+        assert max_error(tiny_model_dir, merged64(w0, adapter.tensors, adapter.scaling), first) < 1e-3
+        # an adapter update replaces the one it started with: the bases it does not list are the saved W0 again
+        new = make_adapter(w0, [O1], rank=2, seed=6)
+        assert push_file(srv.url, tmp_path, new, 1, rank=2, scaling=1.0).status_code == 200
+        assert max_error(tiny_model_dir, merged64(w0, new, 1.0), chat(srv.url)) < 1e-3
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        cfg = json.load(f)
+    cfg["use_dora"] = True
+    with open(tmp_path / "adapter" / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(RuntimeError, match="use_dora not supported"):
+        ServerProcess(str(tiny_model_dir), extra_args=["--adapter", str(tmp_path / "adapter")],
+                      startup_timeout_s=60)
