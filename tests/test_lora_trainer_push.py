@@ -101,3 +101,19 @@ def test_a_malformed_adapter_push_is_refused_before_sending(trainer):
             client.push(tensors, 1, adapter={"rank": 3, "scaling": 1.0})
     finally:
         client.close()
+
+
+@pytest.mark.slow  # ~8 s: a second server subprocess
+def test_serve_starts_from_the_trainers_saved_adapter(trainer, tiny_model_dir, tmp_path):
+    """The checkpoint format (PEFT's) is what `inflight serve --adapter` reads: that server serves the trainer's
+    model from its first token."""
+    from inflight.engine.serve import ServerProcess
+
+    _step(trainer, seed=11)
+    trainer.save(str(tmp_path / "ckpt"))
+    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512", "--adapter", str(tmp_path / "ckpt")],
+                       env={"OMP_NUM_THREADS": "1"}) as srv:
+        choice = _chat(srv.url)
+    got = [e["logprob"] for e in choice["logprobs"]["content"]]
+    want = _trainer_logprobs(trainer, choice)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
