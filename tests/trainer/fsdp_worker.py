@@ -66,6 +66,19 @@ def main(model_dir: str, out: str, lora: bool = False) -> None:
         t.load_adapter(os.path.splitext(out)[0] + ".saved")
         for n, w in t.named_weights():
             assert torch.equal(w, weights[n]), n
+        state = t.train_state()  # collective: the adapter's optimizer state, unsharded, keyed by name
+        if t.rank == 0:
+            keys = sorted(state["optimizer"]["state"])
+            assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:3]
+            assert len(keys) == len(weights)
+            torch.save(state, os.path.splitext(out)[0] + ".train_state.pt")
+        torch.distributed.barrier(group=t.cpu_group)
+        t.load_train_state(torch.load(os.path.splitext(out)[0] + ".train_state.pt", weights_only=True))
+        again = t.train_state()  # each rank took its shard back: gathered again, the same tensors
+        if t.rank == 0:
+            for k, s in state["optimizer"]["state"].items():
+                for m in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(again["optimizer"]["state"][k][m], s[m]), (k, m)
     if t.rank == 0:
         torch.save({"weights": weights, "stats": stats, "version": t.version}, out)
     torch.distributed.destroy_process_group()
