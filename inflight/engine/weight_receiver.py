@@ -220,15 +220,20 @@ class WeightReceiver:
             read_s = time.perf_counter() - t0
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             ntensors = len(tensors)
-            adapter = req.adapter
+            adapter, prepared = req.adapter, []
             if adapter is not None:  # merged off the engine thread, into new buffers: the pause only swaps them
                 load = await asyncio.to_thread(self.adapters.merged, dict(self.engine.model.named_parameters()),
                                                tensors, adapter.scaling)
+                prepare = getattr(self.engine.runner, "prepare_swap", None)  # the fast llama path's fused storage
+                if prepare is not None:
+                    prepared, load = await asyncio.to_thread(prepare, load)  # what it cannot swap is copied
             else:
                 load = self.adapters.with_reverts(tensors)
 
             def apply() -> float:
                 p0 = started[0] = time.perf_counter()
+                if prepared:  # every name was checked above: load_weights cannot refuse what follows
+                    self.engine.runner.swap(prepared)
                 self.engine.load_weights(load, req.version, req.mode)
                 if adapter is not None:
                     self.adapters.served(bases_of(tensors), adapter.rank, adapter.scaling)
@@ -241,9 +246,11 @@ class WeightReceiver:
             pause_s = await self.engine.run_paused(apply)
         self.updates += 1
         total_s = time.perf_counter() - t0
-        self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s}
+        self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
+                            "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0}
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
-        what = f"adapter rank {adapter.rank} on {len(load)} weights (merged in {prepare_s:.3f}s)" if adapter else "full"
+        what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
+                f"{prepare_s:.3f}s)" if adapter else "full")
         log.info("weight update v%d: %s, %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (received in "
                  "%.3fs, waited %.3fs for a step boundary)", req.version, transport, what, ntensors, nbytes / 1e6,
                  req.mode, pause_s, total_s, read_s, started[0] - asked)
