@@ -4,6 +4,7 @@ locally from config. Prints tokens/s and ratios from one run, and the cost of a 
 
     .venv/bin/python bench/engine.py [--new-tokens 128] [--batches 1,8,32,128] [--threads 1] [--repeats 3] [--no-cb]
     .venv/bin/python bench/engine.py --model .cache/models/smollm2-135m-instruct --no-cb --no-torch-ops  # a real model
+    .venv/bin/python bench/engine.py ... --precision bfloat16   # the engine with bf16 generator weights
 
 Tokens/s are given twice: per second of this process's CPU time (time.process_time, all its threads: engine
 thread, asyncio consumer, HF) and per second of wall time. On a shared machine the wall figures swing with other
@@ -66,10 +67,11 @@ def prompts(batch: int, vocab: int, length: int = 16) -> list[list[int]]:
 
 
 class EngineBench:
-    def __init__(self, path: Path, max_batch: int, new: int, vocab: int):
+    def __init__(self, path: Path, max_batch: int, new: int, vocab: int, precision: str = "float32"):
         from inflight.engine.core import InferenceEngine
 
-        self.eng = InferenceEngine(str(path), max_batch=max_batch, max_model_len=16 + new + 1)
+        self.eng = InferenceEngine(str(path), max_batch=max_batch, max_model_len=16 + new + 1,
+                                   generator_precision=precision)
         self.eng.start()
         self.new, self.vocab = new, vocab
         self._run(2)  # warm-up
@@ -178,6 +180,9 @@ def main() -> None:
     ap.add_argument("--cb-batches", default="32", help="batches for ContinuousBatchingManager")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of all systems in turn; medians are reported")
     ap.add_argument("--model", default="", help="a HF model folder to measure instead of --sizes (e.g. SmolLM2-135M)")
+    ap.add_argument("--precision", default="float32",
+                    help="the engine's server.generator_precision (float32, bfloat16, bfloat16-fp32-head, int8); "
+                         "HF generate stays float32")
     ap.add_argument("--no-torch-ops", action="store_true", help="skip the engine with its C kernels turned off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -195,7 +200,7 @@ def main() -> None:
             else:
                 path, n_params = build(Path(tmp) / size, size)
                 vocab = SIZES[size][-1]
-            eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab), HFBench(path, args.new_tokens, vocab)
+            eng, hf = EngineBench(path, max(batches), args.new_tokens, vocab, args.precision), HFBench(path, args.new_tokens, vocab)
             name = f"{size} ({n_params / 1e6:.1f}M)"
             for b in batches:
                 runs = {k: [] for k in ("engine", "torch ops", "hf", "cb")}

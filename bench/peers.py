@@ -8,6 +8,12 @@ the spread holds each system's own learning noise. Every run's steps and evaluat
     .venv/bin/python bench/peers.py --setup                # builds the TRL venv and the warm model if missing
     .venv/bin/python bench/peers.py --minutes 3 --repeats 2 --target 0.45
     .venv/bin/python bench/peers.py --setup --size small --model .cache/peers/models/warm-small   # 6.4M model
+    .venv/bin/python bench/peers.py --preset smollm2 --setup      # TRL venv + SmolLM2-135M-Instruct (get-model)
+    .venv/bin/python bench/peers.py --preset smollm2 --minutes 6 --repeats 1 --systems trl,pipelined --target 0.35
+
+`--preset smollm2` runs the real pretrained model instead, each system as configs/cpu-smollm2.yaml sets inflight:
+4 prompts x 8 samples per step, 24 new tokens, temperature 0.7, lr 2e-5, the calculator system prompt through the
+model's chat template, last-number answers, 100 held-out problems (bench/peers/arith_eval.py PRESETS).
 
 A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
 threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
@@ -16,7 +22,7 @@ Per run: samples/s (samples trained by the last optimizer step / its time on the
 figure), seconds and samples to the first held-out evaluation >= --target (clock from the moment generation can
 start: inflight's `roles_started`, TRL's `on_train_begin`), accuracy at the largest sample count every system
 reached and the mean of the evaluations up to it (the learning curve per sample, steadier than one evaluation), the
-share of training completions cut off by the 12-token limit over the last quarter of the run (a policy that learnt
+share of training completions cut off by the new-token limit over the last quarter of the run (a policy that learnt
 not to stop shows there; inflight: `truncated_frac` of its steps, TRL: its `completions/clipped_ratio`), and the
 FLOPs each system executed, per sample and as a share of the machine's matmul peak (torch.mm FLOP/s measured here on
 all cores, 1024^3 fp32, best of 5, before and after). Executed FLOPs count 2 N per token a forward pass runs over
@@ -24,8 +30,8 @@ and 6 N per token of a training forward + backward (N = parameters; attention's 
   inflight: generation runs a group's prompt once (n=G requests share its prefill) and one forward per completion
             token but the last: P + sum(C_i - 1) per group; the trainer runs a group's prompt once per micro-batch
             and skips zero-advantage samples (its `trainer_tokens`);
-  TRL:      HF `generate` on the left-padded batch of 128: 128 x (P_max + C_max - 1) tokens; training on the same
-            padded batch: 128 x (P_max + C_max), C_max from its logged completions/max_length.
+  TRL:      HF `generate` on the left-padded batch of B samples (128; 32 with smollm2): B x (P_max + C_max - 1)
+            tokens; training on the same padded batch: B x (P_max + C_max), C_max from its logged max_length.
 
 Evaluation: every 10 steps, greedy on the same 200 held-out problems with HF `generate`
 (bench/peers/arith_eval.py), off the clock for both: TRL evaluates in its loop and subtracts the seconds; inflight
@@ -55,6 +61,7 @@ TRL_PY = CACHE / "trl" / "bin" / "python"
 PY = sys.executable
 HERE = Path(__file__).resolve().parent / "peers"
 sys.path.insert(0, str(HERE))
+from arith_eval import PRESETS, arith_task  # noqa: E402
 
 
 # ---- setup ----------------------------------------------------------------------------------------------------
@@ -134,25 +141,28 @@ def free_port() -> int:
 
 # ---- runs -----------------------------------------------------------------------------------------------------
 
-def hf_accuracies(models: list[Path]) -> list[float]:
+def hf_accuracies(models: list[Path], preset: str) -> list[float]:
     """arith_eval.py's held-out accuracy of each saved model, in one process."""
-    out = subprocess.run([PY, str(HERE / "arith_eval.py"), *map(str, models)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([PY, str(HERE / "arith_eval.py"), "--preset", preset, *map(str, models)],
+                         capture_output=True, text=True, check=True)
     return [float(line) for line in out.stdout.split()]
 
 
 def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: int, eval_every: int,
-                 run_dir: Path, extra: list[str], lr: float, eval_on: str, seed: int) -> dict:
+                 run_dir: Path, extra: list[str], lr: float, eval_on: str, seed: int, preset: str) -> dict:
     """eval_on "checkpoints": a checkpoint every eval_every steps, scored afterwards with arith_eval.py (TRL's
     function; like TRL's, off the clock); "servers": inflight's own evaluation through its servers while it trains
     (the same greedy scoring, but its 200 requests share the servers' CPU with the rollouts, on the clock)."""
-    config = {"pipelined": "configs/cpu-demo.yaml", "sync": "configs/cpu-sync.yaml"}[mode]
+    p = PRESETS[preset]
+    config = {"pipelined": p["config"], "sync": p["sync_config"]}[mode]
+    if mode == "sync" and p["sync_config"] == p["config"]:
+        extra = ["pipeline.mode=sync", *extra]
     name = f"peers-{mode}-{tag}" + "".join(f"-{e.replace('=', '')}" for e in extra)
     evaluation = ([f"actor.eval_every={eval_every}"] if eval_on == "servers" else
                   ["actor.eval_every=0", f"pipeline.checkpoint_every={eval_every}", "pipeline.keep_checkpoints=100000"])
     cmd = [str(Path(PY).parent / "inflight"), "train", config, f"model.path={model}", f"name={name}",
            f"pipeline.run_dir={run_dir}", f"pipeline.max_minutes={minutes}", f"pipeline.max_steps={max_steps}",
-           'task.prompt="{expr}="', *evaluation, "pipeline.progress=false", f"trainer.lr={lr}", f"seed={seed}",
+           *p["task_overrides"], *evaluation, "pipeline.progress=false", f"trainer.lr={lr}", f"seed={seed}",
            "pipeline.tensorboard=false",
            f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}", *extra]
     sh(cmd, stdout=subprocess.DEVNULL)
@@ -169,25 +179,25 @@ def run_inflight(mode: str, model: Path, minutes: float, tag: str, max_steps: in
             if r.get("event") == "eval" and r.get("accuracy") is not None:
                 done = [s for t, s, *_ in steps if t <= r["time"] - t0]
                 evals.append((r["time"] - t0, done[-1] if done else 0, float(r["accuracy"])))
-        (final_hf,) = hf_accuracies([ckpts / "final"])
+        (final_hf,) = hf_accuracies([ckpts / "final"], preset)
     else:
         at = {r["step"]: (r["time"] - t0, r["samples_total"]) for r in train}
         saved = sorted((step, p) for p in ckpts.glob("step_*") if (step := int(p.name.split("_")[1])) in at)
         # the warm start (step 0), every saved step and the final checkpoint, in one process
-        *accs, final_hf = hf_accuracies([model, *(p for _, p in saved), ckpts / "final"])
+        *accs, final_hf = hf_accuracies([model, *(c for _, c in saved), ckpts / "final"], preset)
         evals = [(0.0, 0, accs[0])] + [(*at[k], a) for (k, _), a in zip(saved, accs[1:])]
-        for _, p in saved:  # ~7 MB each; the final checkpoint stays
-            shutil.rmtree(p)
+        for _, c in saved:  # the final checkpoint stays
+            shutil.rmtree(c)
     return {"steps": steps, "evals": evals, "final_hf": final_hf, "cmd": shlex.join(cmd)}
 
 
 def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: int, run_dir: Path,
-            threads: int, lr: float, seed: int, prompt_max: int) -> dict:
+            threads: int, lr: float, seed: int, prompt_max: int, preset: str) -> dict:
     out = run_dir / f"peers-trl{threads}-{tag}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", str(model), "--out", str(out), "--minutes",
            str(minutes), "--max-steps", str(max_steps), "--threads", str(threads), "--eval-every", str(eval_every),
-           "--lr", str(lr), "--seed", str(seed)]
+           "--lr", str(lr), "--seed", str(seed), "--preset", preset]
     sh(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": str(threads),
                                                                         "TOKENIZERS_PARALLELISM": "false"})
     recs = [json.loads(line) for line in open(out)]
@@ -195,11 +205,12 @@ def run_trl(model: Path, minutes: float, tag: str, max_steps: int, eval_every: i
 
     def covering(step: int) -> dict:
         """The log whose window (the logging_steps before it) holds this step; past the last, the last one."""
-        return next((g for g in logs if g["step"] >= step), logs[-1] if logs else {"max_length": 12.0})
+        return next((g for g in logs if g["step"] >= step),
+                    logs[-1] if logs else {"max_length": float(PRESETS[preset]["max_new_tokens"])})
 
     steps = []
     for r in (r for r in recs if r["event"] == "step"):
-        g, b = covering(r["step"]), 128
+        g, b = covering(r["step"]), PRESETS[preset]["prompts_per_step"] * PRESETS[preset]["group_size"]
         width = prompt_max + g["max_length"]  # the padded batch generate and the training pass run over
         steps.append((r["time"], r["samples"], b * (width - 1), b * width, g.get("clipped_ratio")))
     evals = [(r["time"], r["samples"], r["accuracy"]) for r in recs if r["event"] == "eval"]
@@ -244,13 +255,16 @@ def fmt(vals: list, spec: str, scale: float = 1.0, unit: str = "") -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=CACHE / "models" / "warm")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                    help="model, task and settings (bench/peers/arith_eval.py PRESETS)")
+    ap.add_argument("--model", type=Path, default=None, help="default: the preset's model")
     ap.add_argument("--minutes", type=float, default=3.0, help="training wall minutes per run")
     ap.add_argument("--max-steps", type=int, default=0, help="also stop each run after this many steps (0 = none)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--systems", default="trl,pipelined,sync")
     ap.add_argument("--target", type=float, default=0.45, help="held-out accuracy to reach")
-    ap.add_argument("--lr", type=float, default=3e-4, help="learning rate of every system (constant, AdamW)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="learning rate of every system (constant, AdamW); default: the preset's")
     ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps between held-out evaluations")
     ap.add_argument("--inflight-eval", choices=("checkpoints", "servers"), default="checkpoints",
                     help="score inflight from checkpoints afterwards with TRL's function, off the clock as TRL's is "
@@ -262,9 +276,15 @@ def main() -> None:
     ap.add_argument("--setup", action="store_true", help="build the TRL venv and the warm model if missing, then exit")
     ap.add_argument("--size", default="tiny", help="with --setup: the model size to build (inflight make-model)")
     args = ap.parse_args()
+    preset = PRESETS[args.preset]
+    args.model = args.model or REPO / preset["model"]
+    args.lr = args.lr if args.lr is not None else preset["lr"]
     if args.setup:
         setup_trl()
-        setup_model(args.model, args.size)
+        if args.preset == "smollm2":
+            sh([str(Path(PY).parent / "inflight"), "get-model", "smollm2-135m-instruct", str(args.model)])
+        else:
+            setup_model(args.model, args.size)
         return
     systems = args.systems.split(",")
     if any(s.split(":")[0] not in ("trl", "pipelined", "sync") for s in systems):
@@ -276,10 +296,9 @@ def main() -> None:
     print(machine())
     print("command:", shlex.join([Path(PY).name, *sys.argv]), flush=True)
 
-    from arith_eval import arith_task
     from transformers import AutoConfig, AutoTokenizer
 
-    tok, task = AutoTokenizer.from_pretrained(args.model), arith_task()
+    tok, task = AutoTokenizer.from_pretrained(args.model), arith_task(args.preset)
     prompt_lens = [len(tok.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False)) for s in task.eval_samples()]
     from safetensors import safe_open
@@ -296,10 +315,11 @@ def main() -> None:
             tag = f"r{r}"
             kind, *extra = system.split(":")
             res = (run_trl(args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir,
-                           int(extra[0]) if extra else args.trl_threads, args.lr, seed=r, prompt_max=max(prompt_lens))
+                           int(extra[0]) if extra else args.trl_threads, args.lr, seed=r, prompt_max=max(prompt_lens),
+                           preset=args.preset)
                    if kind == "trl" else
                    run_inflight(kind, args.model, args.minutes, tag, max_steps, args.eval_every, args.run_dir, extra,
-                                args.lr, args.inflight_eval, seed=r))
+                                args.lr, args.inflight_eval, seed=r, preset=args.preset))
             cmds[system] = res["cmd"]
             runs[system].append(res)
             print(f"  {system} {tag}: {len(res['steps'])} steps, evals {[round(a, 3) for *_, a in res['evals']]}",

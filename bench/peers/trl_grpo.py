@@ -2,11 +2,14 @@
 
     .cache/peers/trl/bin/python bench/peers/trl_grpo.py --model DIR --out OUT.jsonl --minutes 3
 
-Settings matched to configs/cpu-demo.yaml: 16 prompts x 8 samples per optimizer step, lr 3e-4 constant, AdamW
-(betas 0.9/0.999, no weight decay), max 12 new tokens, temperature 1, advantage = reward - group mean (no std
+Settings matched to inflight's config of the preset (arith_eval.PRESETS; `tiny`: configs/cpu-demo.yaml, 16 prompts
+x 8 samples per optimizer step, max 12 new tokens, temperature 1; `smollm2`: configs/cpu-smollm2.yaml, 4 x 8, 24
+new tokens, temperature 0.7, system prompt, last-number answers): lr (--lr) constant, AdamW
+(betas 0.9/0.999, no weight decay), advantage = reward - group mean (no std
 scaling), no KL, one gradient step per generation (on-policy). Loss normalisation: TRL's `dr_grpo` divides the
-token sum by batch x max_completion_length, inflight's `sequences` by batch only, i.e. a constant factor 12; Adam
-is invariant to that factor, so only the gradient clip sees it: max_grad_norm = 1.0 / 12 makes the two the same.
+token sum by batch x max_completion_length, inflight's `sequences` by batch only, i.e. a constant factor L (the new
+tokens); Adam is invariant to that factor, so only the gradient clip sees it: max_grad_norm = 1.0 / L makes the two
+the same.
 Gradient checkpointing (on by default in GRPOConfig) is turned off: it only recomputes activations here.
 Reward: 1 when the task's verifier calls the completion correct, else 0 (what inflight's arith reward gives).
 
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arith_eval import arith_task, greedy_accuracy  # noqa: E402
+from arith_eval import PRESETS, arith_task, greedy_accuracy  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     args = ap.parse_args()
 
     import torch
@@ -45,13 +49,14 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
-    task = arith_task()
+    task, preset = arith_task(args.preset), PRESETS[args.preset]
+    batch, new_tokens = preset["prompts_per_step"] * preset["group_size"], preset["max_new_tokens"]
     prompts, n_steps_data = [], min(args.max_steps, 2_000)
     by_id = {}
     for s in task.train_samples(args.seed):
         by_id[s.id] = s
         prompts.append({"prompt": s.messages, "sample_id": s.id})
-        if len(prompts) >= 16 * n_steps_data:
+        if len(prompts) >= preset["prompts_per_step"] * n_steps_data:
             break
 
     def reward(completions, sample_id, **_) -> list[float]:
@@ -80,9 +85,9 @@ def main() -> None:
 
         def evaluate(self, step: int, model) -> None:
             t = time.perf_counter()
-            acc = greedy_accuracy(model, tok, task)
+            acc = greedy_accuracy(model, tok, task, new_tokens)
             self.eval_s += time.perf_counter() - t
-            emit(event="eval", step=step, samples=step * 128, time=self.elapsed(), accuracy=acc)
+            emit(event="eval", step=step, samples=step * batch, time=self.elapsed(), accuracy=acc)
 
         def on_train_begin(self, a, state, control, model=None, **kw):
             self.t0 = time.perf_counter()
@@ -95,7 +100,7 @@ def main() -> None:
                      reward=logs.get("reward"))
 
         def on_step_end(self, a, state, control, model=None, **kw):
-            emit(event="step", step=state.global_step, samples=state.global_step * 128, time=self.elapsed())
+            emit(event="step", step=state.global_step, samples=state.global_step * batch, time=self.elapsed())
             if state.global_step % args.eval_every == 0:
                 self.evaluate(state.global_step, model)
             if self.elapsed() > 60 * args.minutes:
@@ -104,14 +109,14 @@ def main() -> None:
 
     cfg = GRPOConfig(
         output_dir=str(Path(args.out).with_suffix(".trl")), use_cpu=True, use_vllm=False, seed=args.seed,
-        per_device_train_batch_size=128, gradient_accumulation_steps=1, num_generations=8,
-        max_completion_length=12, temperature=1.0, top_p=1.0,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=preset["group_size"],
+        max_completion_length=new_tokens, temperature=preset["temperature"], top_p=1.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0 / 12,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0 / new_tokens,
         loss_type="dr_grpo", scale_rewards="none", beta=0.0, num_iterations=1,
         max_steps=args.max_steps, logging_steps=10, save_strategy="no", report_to=[],
         bf16=False, dataloader_num_workers=0, disable_tqdm=True,
-        gradient_checkpointing=False,  # TRL's default is True: it saves memory a 0.6M model does not need
+        gradient_checkpointing=False,  # TRL's default is True: it only recomputes activations on these models
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(prompts),
                           processing_class=tok, callbacks=[Clock()])
