@@ -55,3 +55,30 @@ def test_lora_run_pushes_adapters_the_servers_serve(tiny_model_dir, tmp_path, ba
 
     b = [t for n, t in read_adapter(final).items() if ".lora_B." in n]
     assert b and all(float(t.abs().max()) > 0 for t in b)  # trained (B starts at 0)
+
+
+def test_lora_run_resumes_from_its_adapter(tiny_model_dir, tmp_path):
+    """A LoRA run stopped at step 3 and resumed to step 5: servers start from the base, the trainer loads the base
+    plus the checkpoint's adapter and pushes that as version 3 before the actor starts; on-policy steps 4-5 then
+    show the servers serve exactly the trainer's model again (ratio 1)."""
+    import subprocess
+    import sys
+
+    from tests.reliability.pipeline_helpers import ports
+
+    args = overrides(tiny_model_dir, tmp_path, "lres", f"trainer.lora.rank={RANK}", "trainer.lr=1e-2",
+                     "pipeline.mode=sync", "pipeline.num_grad_steps=1", "pipeline.max_steps=3", "actor.eval_every=0",
+                     "actor.max_new_tokens=24")
+    assert run_train(args).returncode == 0
+    run = tmp_path / "lres"
+    res = subprocess.run([sys.executable, "-m", "inflight.cli", "train", "--resume", str(run), *ports(),
+                          "pipeline.max_steps=5"], capture_output=True, text=True, timeout=150,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [s["resumed_step"] for s in records(run, "run_start")] == [None, 3]
+    pushes = records(run, "weight_push")
+    assert [r["step"] for r in pushes] == [1, 2, 3, 4, 5] and all(r["adapter"] for r in pushes)
+    steps = records(run, "train_step")
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps[3:]:
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and r["ratio_max"] < 1.001, r
