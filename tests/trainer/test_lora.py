@@ -186,3 +186,20 @@ def test_adapter_gradients_through_the_fused_kernels_match_float64(stepped):
             assert p.grad is None
     assert checked > 10
     stepped.optimizer.zero_grad(set_to_none=True)
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradients(tiny_model_dir):
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)  # the same A
+        t = _trainer(tiny_model_dir, LoraConfig(rank=4), gradient_checkpointing=ckpt)
+        with torch.no_grad():  # B != 0: A gets gradients too
+            for n, p in t.model.named_parameters():
+                if ".lora_B." in n:
+                    p.fill_(0.01)
+        for mb in _batches(t, seed=4):
+            t.backward(mb, ReinforceLoss())
+        grads.append({n: p.grad.clone() for n, p in t.model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(g.abs().max() > 0 for g in grads[0].values())
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-7, rtol=1e-5)
