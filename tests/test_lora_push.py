@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
 from inflight.trainer.weight_sync import WeightSyncClient
+from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -453,3 +454,31 @@ def test_serve_starts_from_a_saved_peft_adapter(tiny_model_dir, tmp_path):
     with pytest.raises(RuntimeError, match="use_dora not supported"):
         ServerProcess(str(tiny_model_dir), extra_args=["--adapter", str(tmp_path / "adapter")],
                       startup_timeout_s=60)
+
+
+def test_adapter_on_the_generic_hf_path_is_copied_in(gpt2_dir, tmp_path):
+    """Off the fast llama path there is no fused storage to swap: the merged weights are copied in (and reverted)."""
+    import asyncio
+
+    from inflight.contracts import WeightUpdateRequest
+    from inflight.engine.core import InferenceEngine
+    from inflight.engine.weight_receiver import WeightReceiver
+
+    eng = InferenceEngine(str(gpt2_dir), max_batch=2, max_model_len=64)
+    assert not eng.fast_path
+    w0 = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+    attn, mlp = "transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight"
+    first, second = make_adapter(w0, [attn, mlp], rank=2, seed=1), make_adapter(w0, [mlp], rank=2, seed=2)
+    receiver = WeightReceiver(eng)
+    eng.start()
+    try:
+        for v, ad in ((1, first), (2, second)):
+            save_file(ad, str(tmp_path / f"{v}.safetensors"))
+            asyncio.run(receiver.update(WeightUpdateRequest(version=v, path=str(tmp_path / f"{v}.safetensors"),
+                                                            adapter={"rank": 2, "scaling": 0.5})))
+    finally:
+        eng.stop()
+    want = merged64(w0, second, 0.5)
+    for n, p in eng.model.named_parameters():
+        assert torch.allclose(p.double(), want[n], atol=1e-6), n  # attn is W0 again
+    assert eng.version == 2
