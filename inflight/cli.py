@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("inflight.engine.serve", "run an inference server (built-in engine, vLLM or SGLang) with the contract"),
     "train": ("inflight.pipeline.train", "run the whole RL pipeline from a YAML config (pipelined or sync)"),
     "demo": ("inflight.pipeline.demo", "the CPU demo: build + warm-start a tiny model, then pipelined RL on arith"),
+    "export-merged": ("inflight.trainer.lora_export", "a LoRA checkpoint (trainer.lora) merged into its base: a plain HF folder"),
     "report": ("inflight.pipeline.report", "regenerate report.html for one run, or compare several runs"),
 }
 

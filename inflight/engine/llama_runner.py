@@ -94,8 +94,14 @@ class LlamaRunner:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.inner = model.model
         self.layers = []
-        for layer in self.inner.layers:
+        # (layer, key of self.layers[layer]) -> [(HF parameter, first row, end row)]: what swap() re-points
+        self.members: dict[tuple[int, str], list[tuple[torch.nn.Parameter, int, int]]] = {}
+        for li, layer in enumerate(self.inner.layers):
             at, mlp = layer.self_attn, layer.mlp
+            for key, linears in (("w_qkv", [at.q_proj, at.k_proj, at.v_proj]), ("w_gu", [mlp.gate_proj, mlp.up_proj]),
+                                 ("wo", [at.o_proj]), ("wd", [mlp.down_proj])):
+                ends = torch.tensor([l.out_features for l in linears]).cumsum(0).tolist()
+                self.members[(li, key)] = [(l.weight, e - l.out_features, e) for l, e in zip(linears, ends)]
             w_qkv, b_qkv = _fuse([at.q_proj, at.k_proj, at.v_proj])
             w_gu, _ = _fuse([mlp.gate_proj, mlp.up_proj])
             self.layers.append(dict(
@@ -151,6 +157,38 @@ class LlamaRunner:
             if self._repacker is None:
                 self._repacker = _Repacker()
             self._repacker.request(self.weight_builds, args)
+
+    def prepare_swap(self, tensors: dict[str, torch.Tensor]) -> tuple[list, dict[str, torch.Tensor]]:
+        """Off the engine thread: new storage for every block matrix that `tensors` (HF names) touch, fused as the
+        forward reads it (a fused q|k|v or gate|up takes its untouched members from the current weights), and the
+        tensors no block matrix holds (to be copied in by load_weights). Reads the weights, changes nothing."""
+        by_param = {id(p): (where, a, b) for where, ms in self.members.items() for p, a, b in ms}
+        touched: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        rest = {}
+        params = dict(self.model.named_parameters())
+        for name, t in tensors.items():
+            p = params.get(name)
+            if p is None or id(p) not in by_param:
+                rest[name] = t
+            else:
+                touched.setdefault(by_param[id(p)][0], {})[id(p)] = t
+        prepared = []
+        with torch.no_grad():
+            for (li, key), new_rows in touched.items():
+                cur = self.layers[li][key]
+                new = torch.empty_like(cur, memory_format=torch.contiguous_format)
+                for p, a, b in self.members[(li, key)]:
+                    new[a:b].copy_(new_rows.get(id(p), cur[a:b]))  # a private copy: W0 tensors are never aliased
+                prepared.append((li, key, new))
+        return prepared, rest
+
+    def swap(self, prepared: list) -> None:
+        """Inside the pause: point the forward and the HF parameters at the prepared storage (no copy); the caller
+        then runs after_weight_update (load_weights does) so the generator's weights follow."""
+        for li, key, new in prepared:
+            self.layers[li][key] = new
+            for p, a, b in self.members[(li, key)]:
+                p.data = new[a:b]  # still one storage per fused matrix: in-place updates keep reaching the forward
 
     def install_packed(self) -> bool:
         """At a step boundary: swap in the packed weights of the current master, if the background has them."""

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse weight updates holding NaN/Inf (checked after receiving, before applying)")
     p.add_argument("--version-wait-s", type=float, default=300.0,
                    help="a request whose min_weight_version is not reached in this time gets HTTP 409")
+    p.add_argument("--adapter", default=None,
+                   help="folder of a saved PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): "
+                        "served merged into the model; adapter updates replace it (docs/inference-contract.md)")
     p.add_argument("--log-level", default="info")
 
 
@@ -72,10 +75,19 @@ def build_app(args: argparse.Namespace):
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision)
-    return create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
-                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
-                      version_wait_s=args.version_wait_s)
+    app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
+                     max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                     max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
+                     version_wait_s=args.version_wait_s)
+    if getattr(args, "adapter", None):
+        from inflight.modelkit.peft_adapter import read_peft_adapter
+
+        try:
+            adapter = read_peft_adapter(args.adapter)
+            app.state.receiver.adapt_before_start(adapter.tensors, adapter.rank, adapter.scaling)
+        except ValueError as e:  # a clear message, not a traceback (WeightUpdateError is a ValueError)
+            raise SystemExit(f"inflight serve --adapter {args.adapter}: {e}") from None
+    return app
 
 
 def serve_app(app, args: argparse.Namespace) -> None:

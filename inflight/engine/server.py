@@ -137,6 +137,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         params = body.get("params") if isinstance(body, dict) else None
         # tied aliases count: a list naming them too gets the 400 that names the canonical name, not a 413
         cap = len(engine.param_specs()) + len(getattr(engine, "tied_aliases", None) or {})
+        if isinstance(body, dict) and body.get("adapter") is not None:
+            cap *= 2  # an adapter update names two tensors (lora_A, lora_B) per adapted weight
         if isinstance(params, list) and len(params) > cap:
             raise HTTPException(413, f"'params' lists {len(params)} tensors; the model has {cap} parameters")
 

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
-                                shm_layout)
+from inflight.contracts import (LORA_SUFFIXES, AdapterSpec, InitProcessGroupRequest, ParamInfo, WeightUpdateRequest,
+                                adapter_pairs, bucket_layout, packed_bytes, shm_layout)
+from inflight.engine.adapter_merge import AdapterState, bases_of
 from inflight.finite import nonfinite
 from inflight.shm_weights import ShmError, ShmMapping, announcement_digest, check_segment
 
@@ -78,6 +79,59 @@ def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...]
         raise WeightUpdateError(f"weight update rejected: {shown}")
 
 
+def check_adapter(params: list[ParamInfo], adapter: AdapterSpec,
+                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  aliases: dict[str, str] | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """An adapter update's announcement against the model (docs/inference-contract.md, "Adapter updates"): the
+    pairs of contracts.adapter_pairs, each base a 2-D parameter of the model (not a tied alias) with A [rank, in]
+    and B [out, rank] of its [out, in], in its dtype. Raises WeightUpdateError naming every problem; returns the
+    {tensor name: (shape, dtype)} to receive."""
+    problems = []
+    try:
+        adapter_pairs(params, adapter.rank)
+    except ValueError as e:
+        problems.append(str(e))
+    recv: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for p in params:
+        suffix = next((s for s in LORA_SUFFIXES if p.name.endswith(s)), None)
+        if suffix is None:
+            continue  # named by adapter_pairs
+        base = p.name[: -len(suffix)]
+        if aliases and base in aliases:
+            problems.append(f"{p.name!r}: base {base!r} is tied to {aliases[base]!r} (one tensor): adapt it under "
+                            f"{aliases[base]!r}")
+            continue
+        if base not in specs:
+            problems.append(f"{p.name!r}: unknown base weight {base!r}")
+            continue
+        shape, dtype = specs[base]
+        if len(shape) != 2:
+            problems.append(f"{p.name!r}: base {base!r} has shape {list(shape)}, not a matrix [out, in]")
+            continue
+        if len(p.shape) == 2:
+            want = shape[1] if suffix == ".lora_A" else shape[0]
+            got = p.shape[1] if suffix == ".lora_A" else p.shape[0]
+            if got != want:
+                problems.append(f"{p.name}: shape {list(p.shape)} does not fit base {base} {list(shape)} (lora_A is "
+                                f"[rank, {shape[1]}], lora_B is [{shape[0]}, rank])")
+        if DTYPES[p.dtype] != dtype:
+            problems.append(f"{p.name}: dtype {p.dtype} != model's {DTYPE_NAMES.get(dtype, str(dtype))}")
+        recv[p.name] = (tuple(p.shape), DTYPES[p.dtype])
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
+        raise WeightUpdateError(f"adapter update rejected: {shown}; nothing changed")
+    return recv
+
+
+def _infos(tensors: dict[str, torch.Tensor]) -> list[ParamInfo]:
+    bad_dtype = [n for n, t in tensors.items() if t.dtype not in DTYPE_NAMES]
+    if bad_dtype:
+        raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad_dtype[:5]}")
+    if not tensors:
+        raise WeightUpdateError("weight update rejected: the file holds no tensors")
+    return [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype]) for n, t in tensors.items()]
+
+
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     """Raise WeightUpdateError naming the tensors that hold NaN or Inf (one fused reduction: inflight/finite.py)."""
     bad = nonfinite(tensors)
@@ -87,15 +141,11 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  aliases: dict[str, str] | None = None) -> None:
-    infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES.get(t.dtype, "float32")) for n, t in
-             tensors.items()]
-    bad_dtype = [n for n, t in tensors.items() if t.dtype not in DTYPE_NAMES]
-    if bad_dtype:
-        raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad_dtype[:5]}")
-    if not infos:
-        raise WeightUpdateError("weight update rejected: the file holds no tensors")
-    check_params(infos, specs, aliases)
+                  aliases: dict[str, str] | None = None, adapter: AdapterSpec | None = None) -> None:
+    if adapter is not None:
+        check_adapter(_infos(tensors), adapter, specs, aliases)
+    else:
+        check_params(_infos(tensors), specs, aliases)
 
 
 class WeightReceiver:
@@ -112,6 +162,7 @@ class WeightReceiver:
         self._lock = asyncio.Lock()  # one update (or join) at a time
         self._superseded: asyncio.Event | None = None  # set by a join while an update is receiving
         self._shm = ShmMapping()  # the trainer's segment, mapped once while it reuses it
+        self.adapters = AdapterState()  # W0 of adapted weights, the adapter being served (adapter_merge.py)
         self.updates = 0
         self.last_update: dict[str, Any] = {}
 
@@ -137,9 +188,17 @@ class WeightReceiver:
         if req.params is not None:
             if self.group is None and req.shm is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
-            check_params(req.params, self.engine.param_specs(), self.aliases)
+            self._receive_specs(req)
             if req.shm is not None:
                 check_shm(req)
+
+    def _receive_specs(self, req: WeightUpdateRequest) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Check the announced tensors (400 naming every problem); their {name: (shape, dtype)} to receive."""
+        specs = self.engine.param_specs()
+        if req.adapter is not None:
+            return check_adapter(req.params or [], req.adapter, specs, self.aliases)
+        check_params(req.params or [], specs, self.aliases)
+        return specs
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
@@ -148,48 +207,76 @@ class WeightReceiver:
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
             t0 = time.perf_counter()
-            if req.path is not None or req.shm is not None:
-                if req.path is not None:
-                    tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
-                    check_tensors(tensors, self.engine.param_specs(), self.aliases)
-                else:  # views of the segment: the pause copies them into the model
-                    tensors = await asyncio.to_thread(self._map_shm, req)
-                if self.reject_nonfinite:
-                    await asyncio.to_thread(check_finite, tensors)
-                read_s = time.perf_counter() - t0
-                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-                ntensors = len(tensors)
-
-                def apply() -> float:
-                    p0 = started[0] = time.perf_counter()
-                    self.engine.load_weights(tensors, req.version, req.mode)
-                    return time.perf_counter() - p0
+            if req.path is not None:
+                tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
+                check_tensors(tensors, self.engine.param_specs(), self.aliases, req.adapter)
+            elif req.shm is not None:  # views of the segment: the pause copies them into the model
+                tensors = await asyncio.to_thread(self._map_shm, req)
+            else:  # received while the engine keeps generating (on the old weights); it pauses only to apply
+                tensors = await self._receive_unless_superseded(req.params or [], self._receive_specs(req),
+                                                                req.version, req.bucket_bytes)
+            if self.reject_nonfinite:  # a broadcast was received whole: the group stays in step
+                await asyncio.to_thread(check_finite, tensors)
+            read_s = time.perf_counter() - t0
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            ntensors = len(tensors)
+            adapter, prepared = req.adapter, []
+            if adapter is not None:  # merged off the engine thread, into new buffers: the pause only swaps them
+                load = await asyncio.to_thread(self.adapters.merged, dict(self.engine.model.named_parameters()),
+                                               tensors, adapter.scaling)
+                prepare = getattr(self.engine.runner, "prepare_swap", None)  # the fast llama path's fused storage
+                if prepare is not None:
+                    prepared, load = await asyncio.to_thread(prepare, load)  # what it cannot swap is copied
             else:
-                specs = self.engine.param_specs()
-                params = req.params or []
-                nbytes = sum(_numel(p.shape) * DTYPES[p.dtype].itemsize for p in params)
-                read_s, ntensors = 0.0, len(params)
+                load = self.adapters.with_reverts(tensors)
 
-                # received while the engine keeps generating (on the old weights); it pauses only to apply
-                received = await self._receive_unless_superseded(params, specs, req.version, req.bucket_bytes)
-                if self.reject_nonfinite:  # every broadcast was received: the group stays in step
-                    check_finite(received)
-
-                def apply() -> float:
-                    p0 = started[0] = time.perf_counter()
-                    self.engine.load_weights(received, req.version, req.mode)
-                    return time.perf_counter() - p0
+            def apply() -> float:
+                p0 = started[0] = time.perf_counter()
+                if prepared:  # every name was checked above: load_weights cannot refuse what follows
+                    self.engine.runner.swap(prepared)
+                self.engine.load_weights(load, req.version, req.mode)
+                if adapter is not None:
+                    self.adapters.served(bases_of(tensors), adapter.rank, adapter.scaling)
+                else:
+                    self.adapters.dropped()
+                return time.perf_counter() - p0
 
             started, asked = [0.0], time.perf_counter()
+            prepare_s = asked - t0 - read_s
             pause_s = await self.engine.run_paused(apply)
         self.updates += 1
         total_s = time.perf_counter() - t0
-        self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s}
+        self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
+                            "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0}
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
-        log.info("weight update v%d: %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (%swaited %.3fs "
-                 "for a step boundary)", req.version, transport, ntensors, nbytes / 1e6, req.mode, pause_s, total_s,
-                 "" if transport == "broadcast" else f"read {read_s:.3f}s, ", started[0] - asked)
+        what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
+                f"{prepare_s:.3f}s)" if adapter else "full")
+        log.info("weight update v%d: %s, %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (received in "
+                 "%.3fs, waited %.3fs for a step boundary)", req.version, transport, what, ntensors, nbytes / 1e6,
+                 req.mode, pause_s, total_s, read_s, started[0] - asked)
         return {"version": req.version, "pause_s": pause_s}
+
+    def adapt_before_start(self, tensors: dict[str, torch.Tensor], rank: int, scaling: float) -> None:
+        """Serve W0 + scaling * B @ A from the start (`inflight serve --adapter`): checked like an adapter update,
+        merged and copied in before the engine thread runs; W0 is kept, so the first adapter update replaces it."""
+        if getattr(self.engine, "_thread", None) is not None:
+            raise RuntimeError("adapt_before_start: the engine is already running (use an adapter update)")
+        specs = self.engine.param_specs()
+        # a saved adapter may be float32 for a bf16 model: round it once to the base's dtype, as a trainer would
+        tensors = {n: t.to(specs[n.rsplit(".", 1)[0]][1]) if n.rsplit(".", 1)[0] in specs else t
+                   for n, t in tensors.items()}
+        adapter = AdapterSpec(rank=rank, scaling=scaling)
+        check_tensors(tensors, specs, self.aliases, adapter)
+        if self.reject_nonfinite:
+            check_finite(tensors)
+        params = dict(self.engine.model.named_parameters())
+        load = self.adapters.merged(params, tensors, scaling)
+        with torch.no_grad():
+            for name, t in load.items():
+                params[name].data.copy_(t)  # in place: the fast path's fused matrices are these tensors
+        self.engine.runner.after_weight_update()
+        self.adapters.served(bases_of(tensors), rank, scaling)
+        log.info("serving an adapter of rank %d (scaling %g) merged into %d weights", rank, scaling, len(load))
 
     def _map_shm(self, req: WeightUpdateRequest) -> dict[str, torch.Tensor]:
         params = req.params or []

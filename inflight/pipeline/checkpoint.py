@@ -2,6 +2,9 @@
 
     runs/<name>/checkpoints/step_000012/
         config.json, model.safetensors, tokenizer...  the weights, HF format (AutoModelForCausalLM.from_pretrained)
+                            or, with trainer.lora, adapter_config.json + adapter_model.safetensors: the adapter
+                            in PEFT's format (PeftModel.from_pretrained(base, folder); `inflight export-merged`
+                            writes the merged HF folder); the base stays model.path
         train_state.pt      optimizer + scheduler state, RNG states (torch.save; read back with weights_only=True);
                             FSDP2: the optimizer state gathered unsharded, keyed by parameter name
         state.json          step, weight version, samples trained, stream / prompt position (human-readable)
@@ -133,10 +136,28 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
+def model_folder(cfg: Any, resume_from: str | Path | None) -> str:
+    """The HF folder the trainer and the servers load: the checkpoint's on a resume, but with trainer.lora the
+    base (model.path) always: a LoRA checkpoint holds the adapter only, which the trainer loads on top and pushes
+    to the servers before the actor starts."""
+    if resume_from is None or cfg.trainer.lora is not None:
+        return str(cfg.model.path)
+    return str(resume_from)
+
+
 def restore_trainer(engine: Any, path: str | Path) -> CheckpointState:
     """Optimizer, scheduler, RNG states and version of checkpoint `path` into an engine whose weights were loaded
-    from `path` (make_trainer(path, ...).init()). Returns the checkpoint's state."""
+    from `path` (make_trainer(path, ...).init()), or, with trainer.lora, from the base and its adapter read here
+    (make_trainer(model.path, ...).init()). Returns the checkpoint's state."""
+    from inflight.trainer.lora import has_adapter
+
     state = read_state(path)
+    lora = getattr(engine, "adapter", None) is not None
+    if has_adapter(path) != lora:
+        raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if has_adapter(path) else 'full weights'}: "
+                         f"resume it with{'' if has_adapter(path) else 'out'} trainer.lora, as the run was trained")
+    if lora:
+        engine.load_adapter(str(path))
     extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
     if hasattr(engine, "load_train_state"):
         if "optimizer" not in extra:  # FSDP2 checkpoints written before the optimizer state was saved

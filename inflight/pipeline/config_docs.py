@@ -63,6 +63,13 @@ def _type(f: dataclasses.Field) -> str:
     return t.replace("|", "\\|")
 
 
+def _optional_section(f: dataclasses.Field) -> list[type]:
+    """The dataclass of a `Section | None = None` option (its keys are documented under it)."""
+    import typing
+
+    return [a for a in typing.get_args(f.type) if dataclasses.is_dataclass(a)]
+
+
 def render() -> str:
     from inflight.config import RunConfig
 
@@ -82,6 +89,11 @@ def render() -> str:
         for g in dataclasses.fields(cls):
             lines.append(f"| `{f.name}.{g.name}` | {_type(g)} | {_fmt(_default(g))} | "
                          f"{comments.get(g.name, '').replace('|', '/')} |")
+            for opt in _optional_section(g):  # e.g. trainer.lora: null, or these keys once one is set
+                sub_comments = _comments(opt)
+                for h in dataclasses.fields(opt):
+                    lines.append(f"| `{f.name}.{g.name}.{h.name}` | {_type(h)} | {_fmt(_default(h))} | "
+                                 f"{sub_comments.get(h.name, '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,7 @@ from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, merge_stats
 from inflight.algo.truncation import trains
 from inflight.pipeline.completions import completion_stats
-from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
+from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, adapter_of, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.packing import count_loss_tokens
@@ -140,9 +140,11 @@ class DistributedTrainerLoop(TrainerLoop):
         """Collective gather of the weights; rank 0 streams them to the servers and logs the push."""
         if self.rank == 0:
             tp = time.time()
-            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode,
+                                 **adapter_of(self.engine)) or {}
             pauses = list((res.get("pause_s") or {}).values())
-            self.log.log("weight_push", step=version, push_s=res.get("seconds"),
+            self.log.log("weight_push", step=version, push_s=res.get("seconds"), bytes=res.get("bytes"),
+                         adapter=bool(res.get("adapter")),
                          pause_s=max(pauses) if pauses else None, done_after_s=time.time() - tp)
         else:
             for _ in self.engine.named_weights():

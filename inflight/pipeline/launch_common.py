@@ -45,11 +45,23 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"server.python '{cfg.server.python}' does not exist (the python of vLLM's environment)")
     if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
+    check_lora_run(cfg)
     if not Path(cfg.model.path).exists():
         raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
     from inflight.modelkit.check import check_model_dir
 
     check_model_dir(cfg.model.path, need_chat_template=True)  # every task sends chat messages
+
+
+def check_lora_run(cfg: Any) -> None:
+    """trainer.lora pushes adapters (docs/inference-contract.md, "Adapter updates"): only inflight's protocol
+    carries them; the stock servers' own weight APIs (trainer.protocol vllm / sglang) take full weights only."""
+    if cfg.trainer.lora is None:
+        return
+    if cfg.trainer.protocol != "inflight":
+        raise ValueError(f"trainer.lora pushes LoRA adapters, which trainer.protocol={cfg.trainer.protocol} (a stock "
+                         "server's weight API) cannot carry; use trainer.protocol=inflight (inflight serve) or "
+                         "trainer.lora=null")
 
 
 def actor_config_for(cfg: Any) -> Any:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.launch_common import (MAX_RESTARTS, open_run, server_command, server_urls, thread_env,
                                              wait_healthy)
 from inflight.pipeline.metrics import MetricsLogger
@@ -49,7 +50,8 @@ def run_pipeline_local(cfg: Any, resume: bool = False) -> int:
                 env = thread_env(cfg.server.threads)
                 if k < len(cfg.pipeline.server_devices):
                     env["CUDA_VISIBLE_DEVICES"] = cfg.pipeline.server_devices[k]
-                procs.start_command(f"server{k}", server_command(cfg, k, resume_from), env=env)
+                model = ckpt.model_folder(cfg, resume_from)  # LoRA: the base; the adapter comes with the first push
+                procs.start_command(f"server{k}", server_command(cfg, k, model), env=env)
         # the trainer loads while the servers do (it waits for /health itself); the actor starts once they answer
         tenv = thread_env(cfg.trainer.threads)
         if cfg.pipeline.trainer_devices:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.launch_common import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
@@ -146,7 +147,7 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
     def start() -> tuple[list[str], Any]:
         from inflight.pipeline.ray_roles import RoleActor
 
-        servers = start_servers(cfg, str(run_dir), str(resume_from or cfg.model.path))
+        servers = start_servers(cfg, str(run_dir), ckpt.model_folder(cfg, resume_from))
         handles.extend(servers)
         asked = {f"server{k}": {"CPU": role_cpus(cfg)[f"server{k}"], **_resources(cfg, f"server{k}"),
                                 **({"GPU": 1} if k < len(cfg.pipeline.server_devices) else {})}

@@ -39,7 +39,9 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     _setup(cfg, cfg.trainer.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     t0 = time.time()
-    engine = make_trainer(resume_from or cfg.model.path, cfg.trainer)
+    from inflight.pipeline.checkpoint import model_folder
+
+    engine = make_trainer(model_folder(cfg, resume_from), cfg.trainer)
     engine.init()
     resume = None
     if resume_from:
@@ -59,7 +61,9 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     ref = None
     if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights (cfg.model.path, also on resume)
-        ref = make_trainer(cfg.model.path, cfg.trainer)
+        from dataclasses import replace
+
+        ref = make_trainer(cfg.model.path, replace(cfg.trainer, lora=None))  # the base alone, with LoRA too
         ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     from inflight.pipeline.launch_common import wait_healthy

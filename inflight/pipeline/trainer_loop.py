@@ -76,6 +76,13 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
 
 
+def adapter_of(engine: Any) -> dict[str, Any]:
+    """The push's `adapter` keyword for an engine that trains a LoRA adapter (trainer.lora), else nothing: the
+    stock-server clients (trainer.protocol vllm / sglang) take no such keyword and are refused LoRA at config time."""
+    spec = getattr(engine, "adapter", None)
+    return {"adapter": spec} if spec is not None else {}
+
+
 def forward_tokens(samples: list[Sample], share_prompts: bool) -> int:
     """Tokens one micro-batch of these samples runs through the model: with shared prompts (trainer/prefix.py)
     each distinct prompt once plus every completion, else every token of every sample."""
@@ -320,6 +327,7 @@ class TrainerLoop:
             raise push.box["err"]
         pauses = list((push.box["res"].get("pause_s") or {}).values())
         self.log.log("weight_push", step=push.version, push_s=push.box["res"].get("seconds"),
+                     bytes=push.box["res"].get("bytes"), adapter=bool(push.box["res"].get("adapter")),
                      pause_s=max(pauses) if pauses else None,  # the slowest server's pause
                      done_after_s=push.box["done"] - push.started)  # until every server had it
 
@@ -362,7 +370,8 @@ class TrainerLoop:
 
         def target() -> None:
             try:
-                box["res"] = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode) or {}
+                box["res"] = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode,
+                                            **adapter_of(self.engine)) or {}
             except BaseException as exc:  # handed to the caller's thread
                 box["err"] = exc
 

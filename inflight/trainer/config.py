@@ -1,4 +1,16 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoraConfig:
+    """Train a LoRA adapter (PEFT) instead of the full model: the base stays frozen, the optimizer holds only the
+    adapter, and each push sends only the adapter's A/B matrices (docs/inference-contract.md, "Adapter updates")."""
+
+    rank: int = 8  # the adapter's rank r: A is [r, in], B is [out, r] per adapted linear layer
+    alpha: float = 16.0  # scaling = alpha / rank (alpha / sqrt(rank) with rslora)
+    dropout: float = 0.0  # on the adapter's input in training (RL: keep 0, the behaviour logprobs have none)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's names; all-linear: not lm_head
+    rslora: bool = False  # PEFT's rank-stabilised scaling alpha / sqrt(rank)
 
 
 @dataclass
@@ -23,3 +35,4 @@ class TrainerConfig:
     weight_bucket_mb: float = 16.0  # process_group: small tensors packed into one broadcast per bucket (0 = per tensor)
     shm_dir: str = "/dev/shm"  # shm and file transports: a memory file system all servers of the host can read
     protocol: str = "inflight"  # inflight | vllm | sglang (weight-update protocol of the servers)
+    lora: LoraConfig | None = None  # null: full fine-tuning; set (e.g. trainer.lora.rank=8): a LoRA adapter

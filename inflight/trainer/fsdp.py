@@ -113,7 +113,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=attn_implementation(self.cfg))
-        return for_training(model, self.cfg)
+        return for_training(model, self.cfg, self.model_path)
 
     def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
         """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""
@@ -131,12 +131,19 @@ class FSDP2Trainer(SingleDeviceTrainer):
                 dist.broadcast(buf, 0, group=group)
 
     def save(self, out_dir: str) -> None:
-        """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time)."""
+        """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time); with trainer.lora the
+        adapter in PEFT's format instead."""
+        from inflight.trainer.lora import is_lora, save_adapter
+
         state = {}
         for name, tensor in self.named_weights():
             if self.rank == 0:
                 state[name] = tensor.cpu()
-        if self.rank == 0:
+        if self.rank == 0 and is_lora(self.model):
+            save_adapter(self.model, out_dir, state)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(out_dir)
+        elif self.rank == 0:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
@@ -149,6 +156,17 @@ class FSDP2Trainer(SingleDeviceTrainer):
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         dist.barrier(group=self.cpu_group)
+
+    def load_adapter(self, path: str) -> None:
+        """Collective: every rank reads the checkpoint's adapter (as each reads its train state) and keeps its
+        shard of it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from inflight.trainer.lora import check_adapter_fits, read_adapter
+
+        state = read_adapter(path)
+        check_adapter_fits(self._require_init(), state, path)  # the same answer on every rank: none waits alone
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     # ---- checkpoints: the sharded optimizer state, gathered into one full (unsharded) state dict --------------
     def train_state(self) -> dict:

@@ -47,21 +47,30 @@ def check_config(cfg: TrainerConfig) -> None:
         raise ValueError(f"trainer.attention must be one of {ATTENTIONS}, got {cfg.attention!r}")
     if cfg.micro_batch_tokens <= 0:
         raise ValueError(f"trainer.micro_batch_tokens must be positive, got {cfg.micro_batch_tokens}")
+    if cfg.lora is not None:
+        from inflight.trainer.lora import check_lora
+
+        check_lora(cfg.lora)
 
 
 def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Any HF causal LM by path, float32 master weights (bf16-mixed autocasts the compute)."""
+    """Any HF causal LM by path, float32 master weights (bf16-mixed autocasts the compute); with trainer.lora,
+    a fresh adapter on it (lora.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, attn_implementation=attn_implementation(cfg)
     ).to(device)
-    return for_training(model, cfg)
+    return for_training(model, cfg, model_path)
 
 
-def for_training(model: torch.nn.Module, cfg: TrainerConfig) -> torch.nn.Module:
-    """No KV cache; gradient checkpointing when configured."""
+def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None) -> torch.nn.Module:
+    """No KV cache; gradient checkpointing when configured; the LoRA adapter when configured."""
     model.config.use_cache = False
+    if cfg.lora is not None:
+        from inflight.trainer.lora import add_adapter
+
+        model = add_adapter(model, cfg.lora, model_path)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -162,11 +171,25 @@ class SingleDeviceTrainer:
         self.version += 1
         return {"grad_norm": float(grad_norm), "lr": float(lr)}
 
+    @property
+    def adapter(self) -> dict[str, float] | None:
+        """With trainer.lora: the update's `adapter` {rank, scaling} (named_weights yields the adapter only)."""
+        from inflight.trainer.lora import adapter_spec, is_lora
+
+        model = self._require_init()
+        return adapter_spec(model) if is_lora(model) else None
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every parameter, detached, in the model's dtype. Names are `named_parameters()`'s:
         a tied tensor (lm_head.weight of a tie_word_embeddings model) comes once, under its canonical name, as the
         weight-update contract wants (`state_dict()` would list the alias too). A sharded tensor is gathered one
-        parameter at a time (collective)."""
+        parameter at a time (collective). With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only
+        (lora.adapter_tensors), to be pushed with `adapter`."""
+        from inflight.trainer.lora import adapter_tensors, is_lora
+
+        if is_lora(self._require_init()):
+            yield from adapter_tensors(self.model)
+            return
         for name, tensor in self._require_init().named_parameters():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full.detach()
@@ -184,6 +207,25 @@ class SingleDeviceTrainer:
         self.version = int(state["version"])
 
     def save(self, out_dir: str) -> None:
-        self._require_init().save_pretrained(out_dir)
+        """The HF folder of the model; with trainer.lora the adapter in PEFT's format instead (lora.save_adapter)."""
+        from inflight.trainer.lora import is_lora, save_adapter
+
+        model = self._require_init()
+        if is_lora(model):
+            save_adapter(model, out_dir)
+        else:
+            model.save_pretrained(out_dir)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(out_dir)
+
+    def load_adapter(self, path: str) -> None:
+        """The adapter saved in checkpoint `path` into this trainer's adapter, exactly (a resume)."""
+        from inflight.trainer.lora import check_adapter_fits, read_adapter
+
+        model = self._require_init()
+        state = read_adapter(path)
+        check_adapter_fits(model, state, path)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, t in state.items():
+                params[name].copy_(t)

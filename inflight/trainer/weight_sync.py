@@ -39,7 +39,7 @@ from typing import Any, Iterable
 import httpx
 import torch
 
-from inflight.contracts import ParamInfo, bucket_layout, packed_bytes, shm_layout
+from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest
 
@@ -177,27 +177,44 @@ class WeightSyncClient:
                  self.backend)
 
     # ---- updates ----------------------------------------------------------------------------------------------
-    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int, mode: str = "keep") -> dict:
-        """Send new weights to every server; returns {bytes, seconds, pause_s: {url: s}, version}."""
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int, mode: str = "keep",
+             adapter: dict | None = None) -> dict:
+        """Send new weights to every server; returns {bytes, seconds, pause_s: {url: s}, version}. `adapter`
+        ({"rank", "scaling"}): the tensors are a LoRA adapter's `<base>.lora_A` / `<base>.lora_B`, checked here
+        as the servers will (contracts.adapter_pairs), on every transport."""
         t0 = time.perf_counter()
+        extra = {"adapter": AdapterSpec(**adapter).model_dump()} if adapter is not None else {}
         if self.transport == "shm":  # converted while copied into the segment
             tensors = [(n, self._check_dtype(t.detach())) for n, t in unique_tensors(named_weights)]
             itemsize = {n: (self.dtype or t.dtype).itemsize for n, t in tensors}
             nbytes = sum(t.numel() * itemsize[n] for n, t in tensors)
-            answers = self._push_shm(tensors, version, mode)
+            self._check_adapter(tensors, extra)
+            answers = self._push_shm(tensors, version, mode, extra)
         else:
             tensors = [(n, self._convert(t)) for n, t in unique_tensors(named_weights)]
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            self._check_adapter(tensors, extra)
             if self.transport == "file":
-                answers = self._push_file(tensors, version, mode)
+                answers = self._push_file(tensors, version, mode, extra)
             else:
-                answers = self._push_broadcast(tensors, version, mode)
+                answers = self._push_broadcast(tensors, version, mode, extra)
         seconds = time.perf_counter() - t0
         pause = {url: float(a["pause_s"]) for url, a in zip(self.urls, answers)}
-        log.info("pushed v%d: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version, len(tensors),
-                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
+        log.info("pushed v%d%s: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version,
+                 " (adapter)" if extra else "", len(tensors), nbytes / 1e6, seconds,
+                 nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
         return {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
-                "num_tensors": len(tensors)}
+                "num_tensors": len(tensors), "adapter": bool(extra)}
+
+    def _check_adapter(self, tensors: list[tuple[str, torch.Tensor]], extra: dict) -> None:
+        """An adapter update's names, ranks and shapes, before anything is sent (the servers check them too)."""
+        if not extra:
+            return
+        infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES[self.dtype or t.dtype]) for n, t in tensors]
+        try:
+            adapter_pairs(infos, extra["adapter"]["rank"])
+        except ValueError as e:
+            raise WeightSyncError(f"not an adapter update: {e}") from None
 
     def _convert(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -210,17 +227,19 @@ class WeightSyncClient:
             raise WeightSyncError(f"cannot send dtype {t.dtype} (float32, bfloat16, float16 only)")
         return t
 
-    def _push_broadcast(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+    def _push_broadcast(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
+                        extra: dict) -> list[dict]:
         if self.group is None:
             raise WeightSyncError("call init_process_group() before push()")
         body = {"version": version, "mode": mode, "params": [
-            {"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors]}
+            {"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors], **extra}
         if self.bucket_bytes:
             body["bucket_bytes"] = self.bucket_bytes
         # dry run first: a server that would reject must not leave the others waiting. The servers check the
         # announced names, shapes and dtypes against their model, so an announcement they all took on this group
         # is not checked again (one round trip less per step, on the path from optimizer step to new weights)
-        announced = (self._generation, mode, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors))
+        announced = (self._generation, mode, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors),
+                     tuple(sorted(extra.get("adapter", {}).items())))
         if self.precheck and announced != self._accepted:
             self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True) for u in self.urls],
                           "check_weight_update")
@@ -315,12 +334,14 @@ class WeightSyncClient:
         threading.Thread(target=box.clear, name="weight-group-abort", daemon=True).start()
         log.warning("weight group aborted (%d servers): the next push forms it again", len(self.urls))
 
-    def _push_shm(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+    def _push_shm(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
+                  extra: dict) -> list[dict]:
         """Write the segment (reused while the announcement stays the same), then post its path to every server;
         each copies the tensors in at its next step boundary. After a failure the segment is replaced."""
         assert self._shm is not None
         dtypes = [DTYPE_NAMES[self.dtype or t.dtype] for _, t in tensors]
-        announced = ("shm", mode, tuple((n, tuple(t.shape), d) for (n, t), d in zip(tensors, dtypes)))
+        announced = ("shm", mode, tuple((n, tuple(t.shape), d) for (n, t), d in zip(tensors, dtypes)),
+                     tuple(sorted(extra.get("adapter", {}).items())))
         params = [{"name": n, "shape": list(t.shape), "dtype": d} for (n, t), d in zip(tensors, dtypes)]
         if self._shm_layout is None or self._shm_layout[0] != announced[2]:
             infos = [ParamInfo(**p) for p in params]
@@ -330,7 +351,7 @@ class WeightSyncClient:
             segment = self._shm.write(tensors, dtypes, offsets, data_bytes, version, digest)
         except ShmError as e:
             raise WeightSyncError(str(e)) from None
-        body = {"version": version, "mode": mode, "params": params, "shm": segment}
+        body = {"version": version, "mode": mode, "params": params, "shm": segment, **extra}
         try:
             if self.precheck and announced != self._accepted:
                 self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True)
@@ -343,7 +364,8 @@ class WeightSyncClient:
         self._accepted = announced
         return answers
 
-    def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str) -> list[dict]:
+    def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
+                   extra: dict) -> list[dict]:
         from safetensors.torch import save_file
 
         final = os.path.join(self.shm_dir, f"inflight-weights-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
@@ -351,7 +373,7 @@ class WeightSyncClient:
         try:
             save_file({n: t for n, t in tensors}, tmp)
             os.replace(tmp, final)  # servers never see a half-written file
-            body = {"version": version, "mode": mode, "path": final}
+            body = {"version": version, "mode": mode, "path": final, **extra}
             return self._collect([self.pool.submit(self._post, u, "/request_weight_update", body) for u in
                                   self.urls], "request_weight_update")
         finally:

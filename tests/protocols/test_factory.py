@@ -83,3 +83,15 @@ def test_the_communicator_is_built_on_the_trainers_device(monkeypatch):
     finally:
         client.close()
     assert events == [("set_device", "cuda:2"), ("sender", "weight-group")]
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_lora_is_refused_with_stock_server_protocols(protocol):
+    from inflight.pipeline.launch_common import check_lora_run
+
+    cfg = load_config(RunConfig, overrides=[f"trainer.protocol={protocol}", "trainer.lora.rank=8"])
+    with pytest.raises(ValueError, match="trainer.lora pushes LoRA adapters"):
+        check_lora_run(cfg)  # at config time, before anything starts
+    with pytest.raises(ValueError, match="trainer.lora pushes LoRA adapters"):
+        make_weight_sync(cfg, URLS)
+    check_lora_run(load_config(RunConfig, overrides=["trainer.lora.rank=8"]))  # inflight's protocol carries them

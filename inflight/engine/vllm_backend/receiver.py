@@ -8,7 +8,9 @@ two steps; requests keep their KV cache) → workers receive the broadcasts (sta
 them all at once → interrupt mode: `reset_prefix_cache(
 reset_running_requests=True)` preempts every running request, so its KV cache is recomputed with the new weights
 (prompt + tokens so far) before its next token → the engine's weight version is set (every later step's tokens
-carry it) → `resume_generation()`. A NaN or Inf in the update is a 400 and nothing is applied (the workers check
+carry it) → `resume_generation()`. An adapter update (`adapter` set) is checked with check_adapter, and the
+workers merge W0 + s * B @ A into the staged weights (file / shm: before the pause; broadcasts: after receiving, in
+it) and load those like a full update. A NaN or Inf in the update is a 400 and nothing is applied (the workers check
 what they staged, one fused reduction each). A tied model's shared tensor is announced once, under the embedding's
 name (`model.embed_tokens.weight`); `lm_head.weight` is then not a parameter of the model here (400, like an alias
 to the built-in server).
@@ -30,7 +32,7 @@ import torch
 from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
                                 shm_layout)
 from inflight.engine.vllm_backend.worker_ext import NONFINITE
-from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_params, check_shm
+from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_adapter, check_params, check_shm
 
 log = logging.getLogger("inflight.vllm.weights")
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -111,15 +113,21 @@ class VLLMWeightReceiver:
         return {"rank": req.rank_offset, "world_size": req.world_size, "backend": req.backend}
 
     # ---- updates ----------------------------------------------------------------------------------------------
+    def _check(self, params: list[ParamInfo], req: WeightUpdateRequest) -> None:
+        if req.adapter is not None:  # merged in the workers: W0 + s * B @ A (worker_ext.inflight_merge_staged)
+            check_adapter(params, req.adapter, self.specs, self.aliases)
+        else:
+            check_params(params, self.specs, self.aliases)
+
     def validate(self, req: WeightUpdateRequest) -> None:
         if req.shm is not None:
-            check_params(req.params or [], self.specs, self.aliases)
+            self._check(req.params or [], req)
             check_shm(req)
             return
         if req.params is not None:
             if not self.has_group:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
-            check_params(req.params, self.specs, self.aliases)
+            self._check(req.params, req)
             return
         path = req.path or ""
         if not os.path.isabs(path):
@@ -135,8 +143,7 @@ class VLLMWeightReceiver:
         bad = [n for n, (_, dt) in header.items() if dt not in DTYPES]
         if bad:
             raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad[:5]}")
-        check_params([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], self.specs,
-                     self.aliases)
+        self._check([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], req)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         self.validate(req)
@@ -152,6 +159,8 @@ class VLLMWeightReceiver:
                     offsets, _ = shm_layout(req.params or [])
                     await self._rpc("inflight_stage_shm", req.shm.path, [
                         [p.name, list(p.shape), p.dtype, off] for p, off in zip(req.params or [], offsets)])
+                if req.adapter is not None and (req.path is not None or req.shm is not None):
+                    await self._rpc("inflight_merge_staged", req.adapter.scaling)  # before the pause
             except Exception as e:
                 raise _rejected(e) from None
             await self.llm.pause_generation(mode="keep", clear_cache=False)
@@ -166,6 +175,8 @@ class VLLMWeightReceiver:
                             for b in bucket_layout(params, req.bucket_bytes)], self.staging)
                     except Exception as e:
                         raise _rejected(e) from None
+                    if req.adapter is not None:  # broadcasts arrive inside the pause: so does their merge
+                        await self._rpc("inflight_merge_staged", req.adapter.scaling)
                 await self._rpc("inflight_apply")
                 if req.mode == "interrupt":
                     await self.llm.reset_prefix_cache(reset_running_requests=True)

@@ -18,8 +18,16 @@ the GPU); on CPU as a copy made before the pause (vLLM's CPU reload keeps the te
 Tied embeddings: the update carries the embedding once (`model.embed_tokens.weight`); vLLM loads it into the one
 parameter both modules share, and on CPU the prepacked lm_head is rebuilt from it after every reload.
 
-Only torch, safetensors, vLLM and two torch-only inflight modules (shm_weights, finite) are imported here: this
-module runs in vLLM's environment.
+Adapter (LoRA) updates: `inflight_merge_staged(scaling)` turns the staged A/B pairs into merged weights
+W0 + s * B @ A (HF names), which `inflight_apply` then loads like a full update, so vLLM fuses, shards and (on CPU)
+prepacks them itself and generates at full-model speed. W0: on CPU the shadow checkpoint, which holds the base
+weights (checkpoint + full updates; merged weights are never written into it, so bases an adapter no longer lists
+are W0 again by construction); on a GPU a host copy of each adapted base, read from the checkpoint the first time
+it is adapted and replaced by full updates that name it. A full update drops the adapter (its bases go back to W0
+unless the update names them).
+
+Only torch, safetensors, vLLM and three torch-only inflight modules (shm_weights, finite, engine.adapter_merge) are
+imported here: this module runs in vLLM's environment.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 
 import torch
 
+from inflight.engine.adapter_merge import LORA_A, LORA_B, bases_of, merge
 from inflight.finite import nonfinite
 from inflight.shm_weights import ShmMapping
 
@@ -154,7 +163,7 @@ class InflightWorkerExtension:
         """Keep `staged` for inflight_apply once it is finite (`finite`: already checked on the way in). On a GPU
         they may be views of memory later updates reuse (host buffers, the shm segment): the apply copies them into
         the model; on CPU they are the worker's own (the shadow checkpoint keeps them)."""
-        self._inflight_staged = {}
+        self._inflight_staged, self._inflight_staged_bases = {}, None
         bad = [] if finite else nonfinite(staged)
         if bad:
             more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -162,7 +171,41 @@ class InflightWorkerExtension:
         self._inflight_staged = staged
 
     def inflight_drop_staged(self) -> None:
-        self._inflight_staged = {}
+        self._inflight_staged, self._inflight_staged_bases = {}, None
+
+    # ---- adapters -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def inflight_merge_staged(self, scaling: float) -> int:
+        """Replace the staged adapter (<base>.lora_A / .lora_B) by the merged weights of its bases, plus W0 for the
+        bases of the served adapter it does not list (GPU; on CPU the shadow is W0 already)."""
+        staged: dict[str, torch.Tensor] = getattr(self, "_inflight_staged", {})
+        bases = bases_of(staged)
+        device = self._inflight_device()
+        merged = {b: merge(self._inflight_w0(b).to(device), staged[b + LORA_A], staged[b + LORA_B], scaling)
+                  for b in bases}
+        if device.type != "cpu":
+            for b in getattr(self, "_inflight_adapted", ()):
+                merged.setdefault(b, self._inflight_w0(b))
+        self._inflight_staged, self._inflight_staged_bases = merged, tuple(bases)
+        return len(merged)
+
+    def _inflight_w0(self, base: str) -> torch.Tensor:
+        if self._inflight_device().type == "cpu":
+            return self._inflight_shadow_checkpoint()[base]
+        w0 = self.__dict__.setdefault("_inflight_w0_store", {})
+        if base not in w0:
+            if base in getattr(self, "_inflight_replaced", set()):
+                raise RuntimeError(f"weight update rejected: the base weight {base!r} was replaced by a full update "
+                                   "that this GPU worker kept no copy of; start the server from a checkpoint "
+                                   "holding it to adapt it")
+            w0[base] = _read_tensor(self.vllm_config.model_config.model, base)  # type: ignore[attr-defined]
+        return w0[base]
+
+    def _inflight_shadow_checkpoint(self) -> dict[str, torch.Tensor]:
+        shadow = getattr(self, "_inflight_shadow", None)
+        if shadow is None:
+            shadow = self._inflight_shadow = _read_checkpoint(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        return shadow
 
     # ---- apply ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -172,24 +215,39 @@ class InflightWorkerExtension:
         staged: dict[str, torch.Tensor] = getattr(self, "_inflight_staged", {})
         if not staged:
             raise RuntimeError("nothing staged")
+        adapter = getattr(self, "_inflight_staged_bases", None)  # None: a full update
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         if next(model.parameters()).device.type == "cpu":
-            self._inflight_apply_cpu(staged)
+            self._inflight_apply_cpu(staged, adapter is not None)
         else:
+            if adapter is None:  # the adapter is dropped: its bases are W0 again unless this update names them
+                w0 = self.__dict__.setdefault("_inflight_w0_store", {})
+                for b in getattr(self, "_inflight_adapted", ()):
+                    if b not in staged:
+                        staged = {**staged, b: w0[b]}
+                for name, t in staged.items():
+                    if name in w0:  # the new base weights of a base adapters touched: kept (small)
+                        w0[name] = t.to("cpu", copy=True)
+                    else:
+                        self.__dict__.setdefault("_inflight_replaced", set()).add(name)
             model.load_weights(staged.items())  # in place (host tensors: copied to the GPU); a subset is fine
-        self._inflight_staged = {}
+        self._inflight_adapted = adapter or ()
+        self._inflight_staged, self._inflight_staged_bases = {}, None
         return time.perf_counter() - t0
 
-    def _inflight_apply_cpu(self, staged: dict[str, torch.Tensor]) -> None:
+    def _inflight_apply_cpu(self, staged: dict[str, torch.Tensor], adapter: bool = False) -> None:
         """vLLM's CPU linears are prepacked, so a plain `load_weights` does not reach the kernels: reload the
         whole model through vLLM's layerwise reload. A partial update is merged into a shadow copy of the full
-        checkpoint first (a reload with missing tensors would leave layers on the meta device)."""
-        shadow = getattr(self, "_inflight_shadow", None)
-        if shadow is None:
-            shadow = self._inflight_shadow = _read_checkpoint(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-        for name, t in staged.items():
-            shadow[name] = t.to("cpu")
-        self.model_runner.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
+        checkpoint first (a reload with missing tensors would leave layers on the meta device). The shadow holds
+        the base weights: an adapter's merged weights are loaded over it, never written into it."""
+        shadow = self._inflight_shadow_checkpoint()
+        if adapter:
+            weights = {**shadow, **staged}
+        else:
+            for name, t in staged.items():
+                shadow[name] = t.to("cpu")
+            weights = shadow
+        self.model_runner.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
         hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         if getattr(hf, "tie_word_embeddings", False):  # the prepacked lm_head would keep the OLD weights
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -203,6 +261,17 @@ def _nbytes(shape: list[int], dtype: str) -> int:
 
 def _view(buf: torch.Tensor, offset: int, shape: list[int], dtype: str) -> torch.Tensor:
     return buf[offset: offset + _nbytes(shape, dtype)].view(DTYPES[dtype]).view(tuple(shape))
+
+
+def _read_tensor(model_dir: str, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint (read alone, not the whole file)."""
+    from safetensors import safe_open
+
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            if name in st.keys():
+                return st.get_tensor(name)
+    raise RuntimeError(f"{name!r} is not in the checkpoint {model_dir}")
 
 
 def _read_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:

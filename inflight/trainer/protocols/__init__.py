@@ -25,6 +25,9 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
 
         return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir,
                                 bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)
+    if getattr(t, "lora", None) is not None:
+        raise ValueError(f"trainer.lora pushes LoRA adapters, which trainer.protocol={protocol} cannot carry; use "
+                         "trainer.protocol=inflight")
     if t.weight_transport != "process_group":
         raise ValueError(f"trainer.protocol={protocol} sends weights over a process group only "
                          f"(trainer.weight_transport={t.weight_transport!r})")
