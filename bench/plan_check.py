@@ -73,18 +73,27 @@ def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, co
             "slowdown": r.extra.get("slowdown")}
 
 
-def calibrate(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float) -> float:
-    """The actor's serial seconds per group (the one figure `inflight profile` cannot measure alone) that makes the
-    prediction of this one run match its samples/s (bisection; 0 when the profile alone already predicts less)."""
-    rate = lambda a: predict(profile.model_copy(update={"actor_s_per_group": a}), overrides, real, steps,  # noqa: E731
-                             skip, cores)["samples_per_s"]
+def calibrate(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float,
+              server_share: float) -> float:
+    """Per-group reply work c (a figure `inflight profile` cannot measure alone), `server_share` of it stopping the
+    server (server_s_per_group) and the rest on the actor (actor_s_per_group), that makes the prediction of this one
+    run match its samples/s (bisection; 0 when the profile alone already predicts less)."""
+    def rate(c: float) -> float:
+        prof = with_reply(profile, c, server_share)
+        return predict(prof, overrides, real, steps, skip, cores)["samples_per_s"]
+
     if rate(0.0) <= real["samples_per_s"]:
         return 0.0
-    lo, hi = 0.0, 0.1
-    for _ in range(30):
+    lo, hi = 0.0, 0.02
+    for _ in range(16):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) > real["samples_per_s"] else (lo, mid)
     return (lo + hi) / 2
+
+
+def with_reply(profile, c: float, server_share: float):
+    return profile.model_copy(update={"server_s_per_group": c * server_share,
+                                      "actor_s_per_group": c * (1 - server_share)})
 
 
 def table(title: str, rows: list) -> None:
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "runs" / "plan-check"))
     ap.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     ap.add_argument("--cores", type=float, default=0, help="model the roles sharing this many cores (0: no)")
-    ap.add_argument("--calibrate", default="", help="also fit the actor's seconds per group to this case's run")
+    ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit the per-group reply work to these runs")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,14 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     table(f"PREDICTED from profile {args.profile}{shared} as measured vs MEASURED (runs in {out}; samples/s after step "
           f"{args.skip})", rows)
     results["profile"] = rows
-    if args.calibrate:
-        a = calibrate(profile, CASES[args.calibrate] + COMMON, reals[args.calibrate], args.steps, args.skip,
-                      args.cores)
-        prof = profile.model_copy(update={"actor_s_per_group": a})
+    if args.calibrate:  # fit c on the first run for each server share; keep the share that predicts the second
+        first, second = args.calibrate.split(",")
+        fits = []
+        for share_ in (0.0, 0.25, 0.5, 0.75, 1.0):
+            c = calibrate(profile, CASES[first] + COMMON, reals[first], args.steps, args.skip, args.cores, share_)
+            p2 = predict(with_reply(profile, c, share_), CASES[second] + COMMON, reals[second], args.steps,
+                         args.skip, args.cores)
+            fits.append((abs(p2["samples_per_s"] / reals[second]["samples_per_s"] - 1), share_, c))
+            print(f"calibration: server share {share_:.2f}: {c * 1e3:.2f} ms per group fits {first}; "
+                  f"{second} predicted {p2['samples_per_s']:.0f} vs {reals[second]['samples_per_s']:.0f} measured")
+        _, share_, c = min(fits)
+        prof = with_reply(profile, c, share_)
         rows = [(n, r, predict(prof, CASES[n] + COMMON, r, args.steps, args.skip, args.cores))
                 for n, r in reals.items()]
-        table(f"PREDICTED{shared} with actor_s_per_group = {a * 1e3:.2f} ms fitted to the {args.calibrate} run (that row "
-              "matches by construction; the others are predictions)", rows)
+        table(f"PREDICTED{shared}, with {c * 1e3:.2f} ms of reply work per group ({share_:.0%} of it on the server, "
+              f"the rest on the actor) fitted to the {first} and {second} runs (those two rows match by "
+              "construction; the others are predictions)", rows)
         results["calibrated"] = rows
     (out / "check.json").write_text(json.dumps({k: [{"case": n, "measured": {x: v for x, v in r.items()
                                                                              if x != "lengths"}, "predicted": p}

@@ -32,10 +32,12 @@ from inflight.plan.workload import Lengths, SimConfig  # noqa: E402
 
 PROFILES = REPO / "inflight" / "plan" / "profiles"
 SOURCES = [
-    "H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/); "
+    "H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (NVIDIA H100 datasheet, "
+    "https://www.nvidia.com/en-us/data-center/h100/); "
     "H800 taken as the same for compute and memory",
     "mem_eff 0.77: vLLM decode of Llama-3.1-8B at batch 1 reaches ~75 tok/s, ~77% of an A100's bandwidth ceiling, and "
-    "batch 8 gives 6.6x the throughput (https://johnmusgrave.com/p/vllm-throughput-latency-sweep-on); the roofline with "
+    "batch 8 gives 6.6x the throughput (https://johnmusgrave.com/p/vllm-throughput-latency-sweep-on); "
+    "the roofline with "
     "these efficiencies gives 13.4 ms and 7.0x",
     "check at large batch: ~12,500 output tok/s for Llama 3.1 8B on one H100 with vLLM "
     "(https://www.morphllm.com/vllm-benchmarks); the roofline gives ~12,200 tok/s at batch 256, context 500",
@@ -94,9 +96,12 @@ def scenario(name: str, steps: int) -> None:
     pipe, _ = split.best(prof, base, gpus, "pipelined", 1)
     sync, _ = split.best(prof, base, gpus, "sync", 1)
     coloc = split.colocated(prof, base, gpus, 1)
-    for label, c in ((f"pipelined, max_lag {base.max_lag}", pipe), ("sync, split", sync), ("sync, colocated", coloc)):
+    coloc1 = split.colocated(prof, dataclasses.replace(base, num_grad_steps=1), gpus, 1)
+    n = base.num_grad_steps
+    for label, c in ((f"pipelined, max_lag {base.max_lag}", pipe), (f"sync, split, {n} steps/round", sync),
+                     (f"sync, colocated, {n} steps/round", coloc), ("sync, colocated, 1 step/round", coloc1)):
         print(row(label, c))
-    best_sync = max(sync, coloc, key=lambda c: c.samples_per_s)
+    best_sync = max(sync, coloc, coloc1, key=lambda c: c.samples_per_s)
     print(f"\npipelined / best sync ({best_sync.label}): **{pipe.samples_per_s / best_sync.samples_per_s:.2f}x** "
           "samples/s (predicted)")
     # where it comes from, at the pipelined split
@@ -107,7 +112,8 @@ def scenario(name: str, steps: int) -> None:
     print(f"\nat that split ({k} servers + {t} trainer GPUs): idle hardware alone (fixed lengths, no drain): "
           f"pipelined / sync {p_fix / s_fix:.2f}x; batch drain: sync with the length spread / with fixed lengths "
           f"{s_var / s_fix:.2f}x; pipelined samples/s by max_lag: "
-          + ", ".join(f"{lag}: {at(dataclasses.replace(base, max_lag=lag), 'pipelined'):.1f}" for lag in (0, 1, 2, 4, 8)))
+          + ", ".join(f"{lag}: {at(dataclasses.replace(base, max_lag=lag), 'pipelined'):.1f}"
+                      for lag in (0, 1, 2, 4, 8)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from inflight.plan.workload import SimConfig
 
 
 def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Profile:
-    """The profile with each role `x` times slower."""
+    """The profile with each role `x` times slower (the push is the trainer's work)."""
     e, t = profile.engine, profile.trainer
     curve = DecodeCurve(batches=e.decode.batches, contexts=e.decode.contexts,
                         step_s=[[v * server for v in row] for row in e.decode.step_s])
@@ -26,7 +26,9 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
         "engine": e.model_copy(update={"decode": curve, "prefill_tokens_per_s": e.prefill_tokens_per_s / server}),
         "trainer": t.model_copy(update={"tokens_per_s": t.tokens_per_s / trainer,
                                         "step_overhead_s": t.step_overhead_s * trainer}),
-        "pause_s": profile.pause_s * server, "actor_s_per_group": profile.actor_s_per_group * actor})
+        "pause_s": profile.pause_s * server, "push_s": profile.push_s * trainer,
+        "server_s_per_group": profile.server_s_per_group * server,
+        "actor_s_per_group": profile.actor_s_per_group * actor})
 
 
 def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, trainer_threads: float = 1.0,
@@ -36,7 +38,7 @@ def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, traine
     for role in range(3):
         num = den = 0.0
         for (t, s, a), dt in occupancy.items():
-            if (t, s, a)[role] == 0:
+            if (t, s, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
                 continue
             demand = t * trainer_threads + s * server_threads + a * actor_threads
             num += dt * max(1.0, demand / cores)

@@ -166,3 +166,40 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
     b, o = sorted(back[1:])[len(back[1:]) // 2], sorted(opt[1:])[len(opt[1:]) // 2]
     devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
     return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o)
+
+
+# ---- the push ----------------------------------------------------------------------------------------------------
+def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
+    """(push seconds, server pause seconds), medians: the config's model pushed `pushes` times to a real `inflight
+    serve` process with the config's weight client and transport (trainer.protocol inflight), as the trainer loop
+    pushes after every optimizer step. `cfg`: RunConfig."""
+    import copy
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inflight.engine.serve import ServerProcess
+    from inflight.host import free_port
+    from inflight.trainer.protocols import make_weight_sync
+
+    weights = [(n, p.detach()) for n, p in
+               AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).named_parameters()]
+    cfg = copy.deepcopy(cfg)
+    cfg.pipeline.weight_sync_port = free_port()
+    args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len)]
+    times, pauses = [], []
+    with ServerProcess(cfg.model.path, extra_args=args) as server:
+        client = make_weight_sync(cfg, [server.url])
+        try:
+            if cfg.trainer.weight_transport == "process_group":
+                client.init_process_group()
+            for version in range(1, pushes + 1):
+                t0 = time.perf_counter()
+                stats = client.push(weights, version=version)
+                times.append(time.perf_counter() - t0)
+                pauses.append(max(stats["pause_s"].values()))
+                time.sleep(0.05)  # as between optimizer steps
+        finally:
+            client.close()
+    return statistics.median(times[1:]), statistics.median(pauses[1:])  # the first one sets buffers up

@@ -98,6 +98,9 @@ class Profile(_Strict):
     # per group: seconds of the actor's own serial work (reply decoding, reward scoring, stream put), one group at a
     # time; negligible on GPU clusters, not on 2 shared CPU cores
     actor_s_per_group: float = Field(0.0, ge=0)
+    # per group: seconds its server stops decoding to answer it (building the reply with token ids and logprobs on
+    # the server's own process: the built-in engine's thread shares the interpreter with its HTTP server)
+    server_s_per_group: float = Field(0.0, ge=0)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

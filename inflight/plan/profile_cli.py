@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-trainer", action="store_true", help="with --server: trainer figures from --tokens-per-s")
     parser.add_argument("--tokens-per-s", type=float, default=0.0, help="trainer tokens/s when not measured")
     parser.add_argument("--push-s", type=float, default=None,
-                        help="seconds from optimizer step to every server holding the weights (default: the pause "
-                             "measured here, i.e. a same-host copy; measure your transport with bench/weight_sync.py)")
+                        help="seconds from optimizer step to every server holding the weights (default: measured "
+                             "here, pushes of the model to a real `inflight serve` with the config's transport; with "
+                             "--server: the engine's pause)")
     parser.add_argument("--overhead-s", type=float, default=0.0,
                         help="per group: latency from its last token to the trainer (network, stream)")
     parser.add_argument("--actor-s-per-group", type=float, default=0.0,
@@ -68,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
                                                precision=cfg.server.generator_precision)
     print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
+    push = args.push_s
+    if push is None and not args.server and cfg.trainer.protocol == "inflight":
+        push, pause = measure.measure_push(cfg)
+        print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
     if args.no_trainer:
         if args.tokens_per_s <= 0:
             print("inflight profile: --no-trainer needs --tokens-per-s", file=sys.stderr)
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                          f"measured on {args.prompt_tokens}-token prompts, {args.completion_tokens}-token completions, "
                          f"trainer device {cfg.trainer.device}; wall-clock, other load on the machine included",
                    engine=engine, trainer=trainer, pause_s=pause,
-                   push_s=pause if args.push_s is None else args.push_s, overhead_s=args.overhead_s,
+                   push_s=pause if push is None else push, overhead_s=args.overhead_s,
                    actor_s_per_group=args.actor_s_per_group)
     print(f"profile written to {prof.save(args.out)}")
     return 0

@@ -10,7 +10,8 @@ What it models, as the code does:
 - a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
   t(b, c), newly admitted prompts cost prompt tokens / prefill tokens/s before the step; an update is swapped in at
   the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
-- a finished group costs the actor `actor_s_per_group` of serial work, then reaches the trainer `overhead_s` later;
+- a finished group stops its server `server_s_per_group` (the reply), then costs the actor `actor_s_per_group` of
+  serial work, then reaches the trainer `overhead_s` later;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of its
   tokens at the profile's tokens/s for T devices), waits for the previous push, then the optimizer step
   (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
@@ -130,7 +131,8 @@ class Simulator:
         self.step_end: list[float] = []
         self.lag: dict[int, int] = {}
         self.actor_free = 0.0  # when the actor's serial per-group work is next free
-        # time spent in each (trainer busy, servers busy, actor busy) state: what shares the cores (contention.py)
+        # time spent in each (trainer threads busy: compute + push, servers busy, actor busy) state: what shares the
+        # cores (contention.py)
         self.occupancy: dict[tuple[int, int, int], float] = {}
         self.tok_s = profile.trainer.tokens_per_s_at(cfg.trainer_devices)
         self.prefill = profile.engine.prefill_tokens_per_s
@@ -146,7 +148,8 @@ class Simulator:
         while self.events and len(self.step_end) < self.cfg.steps:
             t, _, kind, obj = heapq.heappop(self.events)
             if t > self.now:
-                state = (int(self.trainer_busy), sum(s.chunk is not None or s.paused for s in self.servers),
+                state = (int(self.trainer_busy) + int(self.push_end > self.now),  # the push works on a thread
+                         sum(s.chunk is not None or s.paused for s in self.servers),
                          int(self.actor_free > self.now))
                 self.occupancy[state] = self.occupancy.get(state, 0.0) + t - self.now
             self.now = t
@@ -263,16 +266,25 @@ class Simulator:
         srv.decode_time += n * dt
         srv.batch_time += n * dt * b
         srv.tokens += n * b
+        replies = 0
         while srv.heap and srv.heap[0][0] <= srv.counter:
             finish, _, begin, g = heapq.heappop(srv.heap)
             srv.ctx_base -= self.cfg.prompt_tokens - begin
             self._count_versions(srv, g, begin, finish)
             g.left -= 1
             if g.left == 0:
+                replies += 1
                 srv.outstanding -= 1
-                self.actor_free = max(self.now, self.actor_free) + self.p.actor_s_per_group
+                reply = self.now + replies * self.p.server_s_per_group
+                self.actor_free = max(reply, self.actor_free) + self.p.actor_s_per_group
                 self._at(self.actor_free + self.p.overhead_s, "group", g)
                 self._actor()
+        if replies and self.p.server_s_per_group:  # the server answers before its next step
+            cost = replies * self.p.server_s_per_group
+            srv.busy += cost
+            srv.paused = True
+            self._at(self.now + cost, "resume", srv)
+            return
         self._kick_soon(srv)
 
     @staticmethod
