@@ -113,4 +113,21 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     step1, step16 = p.engine.decode.step_s[0]
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
+    assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
     assert "measured by `inflight profile" in p.source
+
+
+@pytest.mark.slow
+def test_server_curve_over_http(tmp_path):
+    """The step-time curve of a running OpenAI-compatible server (here `inflight serve`; vLLM and SGLang alike)."""
+    from inflight.engine.serve import ServerProcess
+    from inflight.modelkit.build import make_model
+    from inflight.plan.measure import measure_server
+    from inflight.tasks.config import TaskConfig
+
+    model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
+    with ServerProcess(str(model), extra_args=["--threads", "1", "--max-model-len", "256"]) as server:
+        eng = measure_server(server.url, [1, 8], [24], new_tokens=(4, 20))
+    assert eng.decode.batches == [1, 8] and len(eng.decode.step_s[0]) == 2
+    assert all(0 < v < 1.0 for v in eng.decode.step_s[0])
+    assert eng.prefill_tokens_per_s > 0 and server.url in eng.name
