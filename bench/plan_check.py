@@ -33,28 +33,9 @@ COMMON = ["actor.eval_every=0", "pipeline.tensorboard=false", "pipeline.progress
 
 
 def read(run_dir: Path, skip: int) -> dict:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in recs if r.get("event") == "train_step"]
-    if len(steps) <= skip:
-        raise RuntimeError(f"{run_dir}: {len(steps)} steps, need more than {skip}")
-    a, b = steps[skip - 1], steps[-1]
-    lag: dict[int, int] = {}
-    for r in steps:
-        for k, v in r["lag_hist"].items():
-            lag[int(k)] = lag.get(int(k), 0) + v
-    lengths = []  # each step's lengths as its min, its max, and the rest at its mean (the records keep no more)
-    for r in steps:
-        n, mean, lo, hi = r["samples"], r["completion_len_mean"], r["completion_len_min"], r["completion_len_max"]
-        rest = round((mean * n - lo - hi) / max(1, n - 2))
-        lengths += [lo, hi] + [max(1, rest)] * (n - 2)
-    gps = len(steps[0]["group_indices"]) or 1
-    return {
-        "steps": len(steps), "samples_per_s": (b["samples_total"] - a["samples_total"]) / (b["time"] - a["time"]),
-        "lag": lag, "lengths": lengths, "prompt_tokens": sum(r["prompt_tokens"] for r in steps) / len(steps) / gps,
-        "trained_frac": sum(r["trained_samples"] for r in steps) / sum(r["samples"] for r in steps),
-        "trainer_busy": sum(r["train_s"] for r in steps[skip:]) / (b["time"] - a["time"]),
-        "step_s": (b["time"] - a["time"]) / (len(steps) - skip),
-    }
+    from inflight.plan.runs import read_run
+
+    return read_run(run_dir, skip)
 
 
 def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float = 0) -> dict:

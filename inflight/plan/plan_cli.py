@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-server", type=int, default=0, help="devices per server (default: the profile's)")
     parser.add_argument("--lengths", default="", help="fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA:MAX "
                                                       "(default lognormal, median max_new_tokens/4, cut at the limit)")
-    parser.add_argument("--lengths-from", default="", help="a file of completion lengths (integers, any separators)")
+    parser.add_argument("--lengths-from", default="",
+                        help="a run folder (its metrics.jsonl) or a file of completion lengths (integers)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per sample")
     parser.add_argument("--trained-frac", type=float, default=1.0, help="share of samples back-propagated")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps simulated per set-up")
@@ -36,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _lengths(args: argparse.Namespace, max_new: int):
     from inflight.plan.workload import Lengths
 
+    if args.lengths_from and Path(args.lengths_from).is_dir():  # a run folder: the lengths its steps recorded
+        from inflight.plan.runs import read_run
+
+        return Lengths(values=read_run(args.lengths_from)["lengths"])
     if args.lengths_from:
         vals = [int(v) for v in re.findall(r"\d+", Path(args.lengths_from).read_text())]
         if not vals:

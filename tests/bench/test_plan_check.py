@@ -35,5 +35,5 @@ def test_read_and_tv(tmp_path):
     assert min(r["lengths"]) == 2 and max(r["lengths"]) == 9
     assert b.tv({0: 1}, {0: 5}) == 0.0 and b.tv({0: 1}, {1: 1}) == 1.0
     assert b.tv({0: 3, 1: 1}, {0: 1, 1: 1}) == pytest.approx(0.25)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError):
         b.read(tmp_path, skip=4)

@@ -131,3 +131,35 @@ def test_server_curve_over_http(tmp_path):
     assert eng.decode.batches == [1, 8] and len(eng.decode.step_s[0]) == 2
     assert all(0 < v < 1.0 for v in eng.decode.step_s[0])
     assert eng.prefill_tokens_per_s > 0 and server.url in eng.name
+
+
+def test_roofline_by_hand():
+    from inflight.plan import roofline
+
+    hw = roofline.Hardware("h", bandwidth=1e12, flops=1e15, mem_eff=0.5, flop_eff=0.5, train_mfu=0.25)
+    m = roofline.ModelShape("m", params=1e9, layers=10, kv_heads=2, head_dim=64)
+    assert m.kv_bytes_per_token == 2 * 10 * 2 * 64 * 2
+    # weights 2e9 B + 8 x 100 x 5120 B of KV at 0.5e12 B/s, plus 8 x 2e9 FLOP at 0.5e15 FLOP/s
+    want = (2e9 + 8 * 100 * 5120) / 0.5e12 + 8 * 2e9 / 0.5e15
+    assert roofline.step_s(hw, m, 8, 100) == pytest.approx(want)
+    assert roofline.step_s(hw, m, 8, 100, tp=2) == pytest.approx(want / 2)
+    p = roofline.profile(hw, m, batches=[1, 8], contexts=[100], max_batch=8, source="ON PAPER: test", notes="",
+                         push_s=1.0, pause_s=0.1)
+    assert p.engine.decode.step_time(8, 100) == pytest.approx(want)
+    assert p.trainer.tokens_per_s == pytest.approx(0.25e15 / 6e9)
+    assert p.engine.prefill_tokens_per_s == pytest.approx(0.5e15 / 2e9)
+
+
+def test_plan_cli_takes_lengths_from_a_run_folder(tmp_path, capsys):
+    steps = [{"event": "train_step", "time": 10.0 + i, "samples_total": 64 * (i + 1), "samples": 64,
+              "lag_hist": {"0": 5},
+              "completion_len_mean": 30.0, "completion_len_min": 10, "completion_len_max": 50, "prompt_tokens": 40,
+              "group_indices": list(range(8 * i, 8 * i + 8)), "trained_samples": 32, "train_s": 0.5}
+             for i in range(3)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + "{cut")
+    prof = small_profile().save(tmp_path / "p.json")
+    assert main(["plan", str(REPO / "configs" / "cpu-demo.yaml"), "actor.groups_per_step=8", "--gpus", "3",
+                 "--profile", str(prof), "--lengths-from", str(run), "--steps", "4"]) == 0
+    assert "mean completion 30 tokens" in capsys.readouterr().out
