@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per sample")
     parser.add_argument("--trained-frac", type=float, default=1.0, help="share of samples back-propagated")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps simulated per set-up")
+    parser.add_argument("--samples", type=int, default=0, help="also print the predicted time to train this many")
     parser.add_argument("--plot", default="", help="write a plot (PNG) of samples/s per split and the lag histogram")
     parser.add_argument("--json", default="", help="write the predictions as JSON")
 
@@ -85,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         lag = " ".join(f"{k}:{v:.2f}" for k, v in r.lag_share().items())
         print(f"{name:<16} {ch.servers:>7} {ch.trainer_devices:>7} {ch.samples_per_s:>10.2f} "
               f"{r.seconds_per_step:>8.2f} {busy:>11.0%} {r.server_mean_batch:>6.1f} {r.trainer_busy:>12.0%}  {lag}")
+    if args.samples > 0:
+        print(f"predicted time to {args.samples} samples: " + ", ".join(
+            f"{name} {split.time_to(ch.result, args.samples) / 3600:.2f} h" for name, ch in rows))
     best_sync = max(sync, coloc, key=lambda ch: ch.samples_per_s)
     ratio = pipe.samples_per_s / best_sync.samples_per_s
     print(f"best split: {pipe.servers} server(s) x {per} + {pipe.trainer_devices} trainer device(s); predicted "

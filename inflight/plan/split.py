@@ -37,6 +37,15 @@ def steady(r: SimResult) -> float:
     return r.steady_samples_per_s(first)
 
 
+def time_to(r: SimResult, samples: int) -> float:
+    """Seconds to train `samples`: simulated while within the run, then extrapolated at the steady rate."""
+    t = r.time_to_samples(samples)
+    if t is not None:
+        return t
+    done = r.samples_per_step * len(r.step_end_s)
+    return r.wall_s + (samples - done) / steady(r)
+
+
 def candidates(gpus: int, per_server: int, most: int = 16) -> list[int]:
     """Server counts K with at least one trainer device left: all of them, or `most` spread evenly."""
     top = (gpus - 1) // per_server

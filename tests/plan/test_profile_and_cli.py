@@ -71,11 +71,12 @@ def test_plan_cli_prints_a_split_and_writes_plot_and_json(tmp_path, capsys):
     prof = small_profile().save(tmp_path / "p.json")
     code = main(["plan", str(REPO / "configs" / "cpu-demo.yaml"), "actor.groups_per_step=8", "actor.max_lag=2",
                  "--gpus", "4", "--profile", str(prof), "--lengths", "lognormal:40:0.8:200", "--steps", "8",
-                 "--plot", str(tmp_path / "plan.png"), "--json", str(tmp_path / "plan.json")])
+                 "--plot", str(tmp_path / "plan.png"), "--json", str(tmp_path / "plan.json"), "--samples", "100000"])
     out = capsys.readouterr().out
     assert code == 0
     assert "PREDICTION" in out and "test: a GPU-like curve" in out
     assert "best split:" in out and "server(s)" in out
+    assert "predicted time to 100000 samples: pipelined" in out
     res = json.loads((tmp_path / "plan.json").read_text())
     assert res["prediction"] is True
     pipe = res["setups"]["pipelined"]

@@ -111,10 +111,13 @@ def test_interrupt_pays_for_re_prefill_only_when_prefill_costs():
 
 
 def test_time_to_samples():
+    from inflight.plan.split import time_to
+
     r = simulate(flat_profile(), BASE)
     assert r.time_to_samples(128) == pytest.approx(0.1)
     assert r.time_to_samples(129) == pytest.approx(0.2)
     assert r.time_to_samples(10**9) is None
+    assert time_to(r, 128 * 16 + 1280) == pytest.approx(1.6 + 1.0)  # beyond the run: at the steady 1280 samples/s
 
 
 def test_bad_settings_are_refused():
