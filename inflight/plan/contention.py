@@ -51,10 +51,10 @@ def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_thre
                     server_threads: float = 1.0, actor_threads: float = 1.0, passes: int = 8) -> SimResult:
     """simulate() with the roles sharing `cores` cores. The result's extra["slowdown"] gives the settled factors."""
     s = (1.0, 1.0, 1.0)
-    result = simulate(profile, cfg)
+    result = simulate(profile, cfg, occupancy=True)
     for _ in range(passes):
         new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads)
         s = tuple((a + b) / 2 for a, b in zip(s, new, strict=True))  # damped: the overlap moves with the speeds
-        result = simulate(slowed(profile, *s), cfg)
+        result = simulate(slowed(profile, *s), cfg, occupancy=True)
     result.extra["slowdown"] = dict(zip(("trainer", "server", "actor"), s, strict=True))
     return result

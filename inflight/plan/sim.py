@@ -112,8 +112,9 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, cfg: SimConfig):
+    def __init__(self, profile: Profile, cfg: SimConfig, occupancy: bool = False):
         self.p, self.cfg = profile, cfg
+        self.track = occupancy  # record the busy states (contention.py needs them; O(servers) per event)
         self.rng = random.Random(cfg.seed)
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = 0
@@ -147,7 +148,7 @@ class Simulator:
         self._trainer()
         while self.events and len(self.step_end) < self.cfg.steps:
             t, _, kind, obj = heapq.heappop(self.events)
-            if t > self.now:
+            if self.track and t > self.now:
                 state = (int(self.trainer_busy) + int(self.push_end > self.now),  # the push works on a thread
                          sum(s.chunk is not None or s.paused for s in self.servers),
                          int(self.actor_free > self.now))
@@ -368,5 +369,7 @@ class Simulator:
         self._actor()
 
 
-def simulate(profile: Profile, cfg: SimConfig) -> SimResult:
-    return Simulator(profile, cfg).run()
+def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False) -> SimResult:
+    """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
+    spent in each (trainer threads, servers, actor) busy state."""
+    return Simulator(profile, cfg, occupancy).run()
