@@ -55,6 +55,13 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"inflight profile: {exc}", file=sys.stderr)
         return 2
+    if args.no_trainer and args.tokens_per_s <= 0:
+        print("inflight profile: --no-trainer needs --tokens-per-s", file=sys.stderr)
+        return 2
+    if cfg.trainer.backend != "single" and not args.no_trainer:
+        print("inflight profile: the trainer is measured with trainer.backend=single only; for fsdp2 give its "
+              "tokens/s from a short run: --no-trainer --tokens-per-s X", file=sys.stderr)
+        return 2
     from inflight.plan import measure
 
     mb = cfg.server.max_batch
@@ -74,9 +81,6 @@ def run(args: argparse.Namespace) -> int:
         push, pause = measure.measure_push(cfg)
         print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
     if args.no_trainer:
-        if args.tokens_per_s <= 0:
-            print("inflight profile: --no-trainer needs --tokens-per-s", file=sys.stderr)
-            return 2
         trainer = TrainerProfile(model=cfg.model.path, tokens_per_s=args.tokens_per_s)
     else:
         trainer = measure.measure_trainer(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,

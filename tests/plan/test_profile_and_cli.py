@@ -97,6 +97,10 @@ def test_plan_cli_refuses_bad_input(tmp_path, capsys):
     assert main(["plan", cfg, "--gpus", "1", "--profile", str(prof)]) == 2  # no device left for a trainer
     assert main(["plan", cfg, "--gpus", "4", "--profile", str(prof), "--lengths", "zipf:2"]) == 2
     assert "inflight plan:" in capsys.readouterr().err
+    out = str(tmp_path / "never.json")
+    assert main(["profile", cfg, "trainer.backend=fsdp2", "--out", out]) == 2  # refused before measuring anything
+    assert main(["profile", cfg, "--out", out, "--no-trainer", "--server", "http://127.0.0.1:9"]) == 2  # no tokens/s
+    assert not Path(out).exists()
 
 
 @pytest.mark.slow
