@@ -89,8 +89,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
 def measure_server(url: str, batches: list[int], contexts: list[int], model: str = "",
                    new_tokens: tuple[int, int] = (16, 80), api_key: str = "") -> EngineProfile:
     """The step-time curve of a running server (vLLM, SGLang or inflight serve) from /v1/completions: b requests at
-    once, ignore_eos, two lengths. Prompts are words repeated to about `context` tokens (one token per word is
-    assumed; the grid's contexts are approximate)."""
+    once, ignore_eos, two lengths; prompts given as token ids (ids 5..94), so their lengths are exact."""
     import aiohttp
 
     base = url.rstrip("/")
@@ -106,8 +105,9 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
             name = model or await model_name(s)
 
             async def one(i: int) -> None:
-                body: dict[str, Any] = {"model": name, "prompt": f"{i} " + "hello " * prompt, "max_tokens": new,
-                                        "ignore_eos": True, "temperature": 1.0}
+                ids = [5 + (i * 7 + j) % 90 for j in range(prompt)]  # token ids: exact lengths, in any vocabulary
+                body: dict[str, Any] = {"model": name, "prompt": ids, "max_tokens": new, "ignore_eos": True,
+                                        "temperature": 1.0}
                 async with s.post(f"{base}/v1/completions", json=body) as r:
                     if r.status != 200:
                         raise RuntimeError(f"{base}/v1/completions: HTTP {r.status}: {(await r.text())[:300]}")
@@ -121,7 +121,7 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
     timer(2, 8, 4)
     n1, n2 = new_tokens
     grid = _decode_grid(timer, batches, contexts, n1, n2)
-    pb, plen = min(16, max(batches)), max(64, max(contexts))
+    pb, plen = min(16, max(batches)), max(32, max(contexts) - n2)
     prefill_tok_s = pb * plen / timer(pb, plen, 1)
     return EngineProfile(name=f"server {base}", model=model, max_batch=max(batches),
                          decode=DecodeCurve(batches=batches, contexts=contexts, step_s=grid),
