@@ -18,7 +18,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("tasks", "algo", "streams"),
     ("modelkit",),
     ("engine", "trainer", "rewards"),
-    ("actor",),
+    ("actor", "plan"),  # plan: the simulator needs only config; its profiler (measure.py) drives engine and trainer
     ("pipeline",),
     ("cli",),
 ]

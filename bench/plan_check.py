@@ -1,0 +1,160 @@
+"""The simulator (inflight/plan) against real `inflight train` runs on this machine: samples/s and lag histograms.
+
+    .venv/bin/python -m inflight.cli profile configs/cpu-demo.yaml --out runs/plan/cpu-demo.json --contexts 24,64
+    .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--steps 60] [--report-only]
+
+Each case is one short `inflight train configs/cpu-demo.yaml` run (bench/pipeline.py's run_once; no evaluation,
+fixed step count): pipelined keep at max_lag 0, 1, 4, pipelined interrupt at max_lag 1, sync (num_grad_steps 4).
+From a run's metrics.jsonl: samples/s between the end of step --skip and the last step (the start-up left out),
+the lag histogram of all trained tokens, and the workload the simulator needs (completion lengths, prompt tokens
+per group, the share of samples back-propagated). The simulator then runs the same config on the profile and the
+table gives predicted / measured samples/s and the total-variation distance of the two lag histograms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
+
+CASES = {  # name: overrides of configs/cpu-demo.yaml
+    "keep-lag0": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=0"],
+    "keep-lag1": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=1"],
+    "keep-lag4": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=4"],
+    "interrupt-lag1": ["pipeline.mode=pipelined", "pipeline.update_mode=interrupt", "actor.max_lag=1"],
+    "sync-4": ["pipeline.mode=sync", "pipeline.num_grad_steps=4"],
+}
+COMMON = ["actor.eval_every=0", "pipeline.tensorboard=false", "pipeline.progress=false"]
+
+
+def read(run_dir: Path, skip: int) -> dict:
+    from inflight.plan.runs import read_run
+
+    return read_run(run_dir, skip)
+
+
+def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float = 0) -> dict:
+    from inflight.config import RunConfig, load_config
+    from inflight.plan.contention import simulate_shared
+    from inflight.plan.sim import simulate
+    from inflight.plan.workload import Lengths, from_run_config
+
+    cfg = load_config(RunConfig, REPO / "configs" / "cpu-demo.yaml", overrides)
+    cfg.pipeline.max_steps = steps
+    sim = from_run_config(cfg, Lengths(values=real["lengths"]), steps=steps, share_prompt=True,
+                          prompt_tokens=round(real["prompt_tokens"]), trained_frac=real["trained_frac"])
+    r = simulate_shared(profile, sim, cores) if cores else simulate(profile, sim)
+    return {"samples_per_s": r.steady_samples_per_s(skip), "lag": r.lag_hist, "step_s": r.seconds_per_step,
+            "trainer_busy": r.trainer_busy, "server_busy": sum(r.server_busy) / len(r.server_busy),
+            "slowdown": r.extra.get("slowdown")}
+
+
+def calibrate(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float,
+              server_share: float) -> float:
+    """Per-group reply work c (a figure `inflight profile` cannot measure alone), `server_share` of it stopping the
+    server (server_s_per_group) and the rest on the actor (actor_s_per_group), that makes the prediction of this one
+    run match its samples/s (bisection; 0 when the profile alone already predicts less)."""
+    def rate(c: float) -> float:
+        prof = with_reply(profile, c, server_share)
+        return predict(prof, overrides, real, steps, skip, cores)["samples_per_s"]
+
+    if rate(0.0) <= real["samples_per_s"]:
+        return 0.0
+    lo, hi = 0.0, 0.02
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) > real["samples_per_s"] else (lo, mid)
+    return (lo + hi) / 2
+
+
+def with_reply(profile, c: float, server_share: float):
+    return profile.model_copy(update={"server_s_per_group": c * server_share,
+                                      "actor_s_per_group": c * (1 - server_share)})
+
+
+def table(title: str, rows: list) -> None:
+    print(f"\n{title}\n")
+    print("| case | measured samples/s | predicted | pred/meas | measured s/step | trainer busy meas / pred | "
+          "lag measured | lag predicted | TV distance |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, real, pred in rows:
+        print(f"| {name} | {real['samples_per_s']:.0f} | {pred['samples_per_s']:.0f} | "
+              f"{pred['samples_per_s'] / real['samples_per_s']:.2f} | {real['step_s'] * 1e3:.0f} ms | "
+              f"{real['trainer_busy']:.0%} / {pred['trainer_busy']:.0%} | {share(real['lag'])} | "
+              f"{share(pred['lag'])} | {tv(real['lag'], pred['lag']):.3f} |")
+
+
+def tv(p: dict[int, int], q: dict[int, int]) -> float:
+    """Total-variation distance of two histograms (each normalised): 0 same, 1 disjoint."""
+    sp, sq = sum(p.values()) or 1, sum(q.values()) or 1
+    return 0.5 * sum(abs(p.get(k, 0) / sp - q.get(k, 0) / sq) for k in set(p) | set(q))
+
+
+def share(h: dict[int, int]) -> str:
+    s = sum(h.values()) or 1
+    return " ".join(f"{k}:{v / s:.2f}" for k, v in sorted(h.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, help="profile JSON measured here (inflight profile)")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run (a multiple of 4)")
+    ap.add_argument("--skip", type=int, default=12, help="steps left out of samples/s at the start (multiple of 4)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--out", default=str(REPO / "runs" / "plan-check"))
+    ap.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
+    ap.add_argument("--cores", type=float, default=0, help="model the roles sharing this many cores (0: no)")
+    ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit the per-group reply work to these runs")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from inflight.plan.profile import Profile
+
+    profile = Profile.load(args.profile)
+    reals = {}
+    for name in args.cases.split(","):
+        if not args.report_only:
+            from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
+
+            mode = "sync" if "sync" in name else "pipelined"
+            run_once(REPO / "configs" / "cpu-demo.yaml", name, mode, 0, out, 3.0, args.steps, CASES[name] + COMMON)
+        reals[name] = read(out / f"{name}-{'sync' if 'sync' in name else 'pipelined'}-0", args.skip)
+    results = {}
+    prof = profile
+    rows = [(n, r, predict(prof, CASES[n] + COMMON, r, args.steps, args.skip, args.cores)) for n, r in reals.items()]
+    shared = f", roles sharing {args.cores:g} cores (contention.py)" if args.cores else ""
+    table(f"PREDICTED from profile {args.profile}{shared} as measured vs MEASURED (runs in {out}; samples/s after step "
+          f"{args.skip})", rows)
+    results["profile"] = rows
+    if args.calibrate:  # fit c on the first run for each server share; keep the share that predicts the second
+        first, second = args.calibrate.split(",")
+        fits = []
+        for share_ in (0.0, 0.25, 0.5, 0.75, 1.0):
+            c = calibrate(profile, CASES[first] + COMMON, reals[first], args.steps, args.skip, args.cores, share_)
+            p2 = predict(with_reply(profile, c, share_), CASES[second] + COMMON, reals[second], args.steps,
+                         args.skip, args.cores)
+            fits.append((abs(p2["samples_per_s"] / reals[second]["samples_per_s"] - 1), share_, c))
+            print(f"calibration: server share {share_:.2f}: {c * 1e3:.2f} ms per group fits {first}; "
+                  f"{second} predicted {p2['samples_per_s']:.0f} vs {reals[second]['samples_per_s']:.0f} measured")
+        _, share_, c = min(fits)
+        prof = with_reply(profile, c, share_)
+        rows = [(n, r, predict(prof, CASES[n] + COMMON, r, args.steps, args.skip, args.cores))
+                for n, r in reals.items()]
+        table(f"PREDICTED{shared}, with {c * 1e3:.2f} ms of reply work per group ({share_:.0%} of it on the server, "
+              f"the rest on the actor) fitted to the {first} and {second} runs (those two rows match by "
+              "construction; the others are predictions)", rows)
+        results["calibrated"] = rows
+    (out / "check.json").write_text(json.dumps({k: [{"case": n, "measured": {x: v for x, v in r.items()
+                                                                             if x != "lengths"}, "predicted": p}
+                                                    for n, r, p in rows] for k, rows in results.items()},
+                                               indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

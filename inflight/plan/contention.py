@@ -1,0 +1,60 @@
+"""Roles that share a machine's cores (the CPU set-up: server, trainer and actor on 2 cores) slow each other down;
+roles on their own GPUs do not. A profile measured with each role alone (`inflight profile`) then predicts too fast
+a pipeline whenever the roles overlap in time.
+
+Model (processor sharing): while the busy roles want D threads on C cores and D > C, each runs at C / D of its own
+speed. The simulator records how long each combination of busy roles lasted (Simulator.occupancy); each role's
+slowdown is the time-weighted mean of max(1, D / C) over the time it was busy; the profile's figures are divided by
+those slowdowns and the loop simulated again, until the slowdowns settle (a fixed point, damped). Overlap is thus
+taken from the simulated loop itself: in sync mode, where generation and training alternate, the trainer runs at
+its own speed; pipelined, it shares the cores with the server and the actor.
+"""
+
+from __future__ import annotations
+
+from inflight.plan.profile import DecodeCurve, Profile
+from inflight.plan.sim import SimResult, simulate
+from inflight.plan.workload import SimConfig
+
+
+def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Profile:
+    """The profile with each role `x` times slower (the push is the trainer's work)."""
+    e, t = profile.engine, profile.trainer
+    curve = DecodeCurve(batches=e.decode.batches, contexts=e.decode.contexts,
+                        step_s=[[v * server for v in row] for row in e.decode.step_s])
+    return profile.model_copy(update={
+        "engine": e.model_copy(update={"decode": curve, "prefill_tokens_per_s": e.prefill_tokens_per_s / server}),
+        "trainer": t.model_copy(update={"tokens_per_s": t.tokens_per_s / trainer,
+                                        "step_overhead_s": t.step_overhead_s * trainer}),
+        "pause_s": profile.pause_s * server, "push_s": profile.push_s * trainer,
+        "server_s_per_group": profile.server_s_per_group * server,
+        "actor_s_per_group": profile.actor_s_per_group * actor})
+
+
+def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, trainer_threads: float = 1.0,
+              server_threads: float = 1.0, actor_threads: float = 1.0) -> tuple[float, float, float]:
+    """(trainer, server, actor) slowdowns from the time spent in each (trainer, servers, actor) busy state."""
+    out = []
+    for role in range(3):
+        num = den = 0.0
+        for (t, s, a), dt in occupancy.items():
+            if (t, s, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
+                continue
+            demand = t * trainer_threads + s * server_threads + a * actor_threads
+            num += dt * max(1.0, demand / cores)
+            den += dt
+        out.append(num / den if den else 1.0)
+    return out[0], out[1], out[2]
+
+
+def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_threads: float = 1.0,
+                    server_threads: float = 1.0, actor_threads: float = 1.0, passes: int = 8) -> SimResult:
+    """simulate() with the roles sharing `cores` cores. The result's extra["slowdown"] gives the settled factors."""
+    s = (1.0, 1.0, 1.0)
+    result = simulate(profile, cfg, occupancy=True)
+    for _ in range(passes):
+        new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads)
+        s = tuple((a + b) / 2 for a, b in zip(s, new, strict=True))  # damped: the overlap moves with the speeds
+        result = simulate(slowed(profile, *s), cfg, occupancy=True)
+    result.extra["slowdown"] = dict(zip(("trainer", "server", "actor"), s, strict=True))
+    return result

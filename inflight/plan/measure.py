@@ -1,0 +1,205 @@
+"""Measures a Profile on this machine (`inflight profile`): the built-in engine's decode step time over batch sizes
+and contexts and its prefill tokens/s, the trainer's forward + backward tokens/s and optimizer step, and the pause
+of a weight swap; or the step-time curve of any running OpenAI-compatible server (vLLM, SGLang, inflight) timed
+over HTTP. Wall-clock time, as the simulator predicts wall-clock time.
+
+A decode step's time is the difference of two runs that differ only in the number of new tokens (n1 < n2, both
+with ignore_eos): (T(n2) - T(n1)) / (n2 - n1) removes the prefill and the fixed costs; its context is
+prompt + (n1 + n2) / 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
+
+
+def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: int) -> list[list[float]]:
+    """timer(batch, prompt_tokens, new_tokens) -> seconds; rows per context (prompt = context - mean new tokens)."""
+    rows = []
+    for ctx in contexts:
+        prompt = max(1, ctx - (n1 + n2) // 2)
+        row = []
+        for b in batches:
+            t1, t2 = timer(b, prompt, n1), timer(b, prompt, n2)
+            row.append(max((t2 - t1) / (n2 - n1), 1e-6))
+        rows.append(row)
+    return rows
+
+
+# ---- the built-in engine, in this process -------------------------------------------------------------------------
+def measure_engine(model_path: str, batches: list[int], contexts: list[int], threads: int = 1,
+                   new_tokens: tuple[int, int] = (8, 40), precision: str = "float32") -> tuple[EngineProfile, float]:
+    """(EngineProfile, pause_s): the built-in engine's step-time grid, prefill tokens/s, and the seconds a weight
+    swap of all parameters stops it (run_paused + load_weights, as a push does)."""
+    import torch
+
+    from inflight.engine.core import InferenceEngine
+    from inflight.engine.sampling import SamplingParams
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    n1, n2 = new_tokens
+    eng = InferenceEngine(model_path, max_batch=max(batches), max_model_len=max(contexts) + n2 + 8,
+                          threads=threads, generator_precision=precision)
+    eng.start()
+    vocab = eng.vocab_size
+    rng = random.Random(0)
+
+    def timer(b: int, prompt: int, new: int) -> float:
+        sp = SamplingParams(max_tokens=new, ignore_eos=True)
+        prompts = [[rng.randrange(2, vocab) for _ in range(prompt)] for _ in range(b)]
+
+        async def one(rid: str, p: list[int]) -> None:
+            async for _ in eng.generate(rid, p, sp, stream=False):
+                pass
+
+        async def go() -> None:
+            await asyncio.gather(*[one(f"p{time.monotonic_ns()}-{i}", p) for i, p in enumerate(prompts)])
+
+        t0 = time.perf_counter()
+        asyncio.run(go())
+        return time.perf_counter() - t0
+
+    try:
+        timer(2, 8, 4)  # warm-up (kernels built, caches touched)
+        grid = _decode_grid(timer, batches, contexts, n1, n2)
+        # prefill: distinct long prompts, one new token each (one decode step is negligible beside them)
+        pb, plen = min(16, max(batches)), max(32, max(contexts) - n2)
+        prefill_tok_s = pb * plen / timer(pb, plen, 1)
+        new = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
+        pauses = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            asyncio.run(eng.run_paused(lambda: eng.load_weights(new, eng.version + 1)))
+            pauses.append(time.perf_counter() - t0)
+    finally:
+        eng.stop()
+    prof = EngineProfile(name="builtin", model=model_path, devices=max(1, threads), max_batch=max(batches),
+                         decode=DecodeCurve(batches=batches, contexts=contexts, step_s=grid),
+                         prefill_tokens_per_s=prefill_tok_s)
+    return prof, min(pauses)
+
+
+# ---- any OpenAI-compatible server, over HTTP ----------------------------------------------------------------------
+def measure_server(url: str, batches: list[int], contexts: list[int], model: str = "",
+                   new_tokens: tuple[int, int] = (16, 80), api_key: str = "") -> EngineProfile:
+    """The step-time curve of a running server (vLLM, SGLang or inflight serve) from /v1/completions: b requests at
+    once, ignore_eos, two lengths; prompts given as token ids (ids 5..94), so their lengths are exact."""
+    import aiohttp
+
+    base = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def model_name(session: aiohttp.ClientSession) -> str:
+        async with session.get(f"{base}/v1/models") as r:
+            r.raise_for_status()
+            return (await r.json())["data"][0]["id"]
+
+    async def burst(b: int, prompt: int, new: int) -> float:
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as s:
+            name = model or await model_name(s)
+
+            async def one(i: int) -> None:
+                ids = [5 + (i * 7 + j) % 90 for j in range(prompt)]  # token ids: exact lengths, in any vocabulary
+                body: dict[str, Any] = {"model": name, "prompt": ids, "max_tokens": new, "ignore_eos": True,
+                                        "temperature": 1.0}
+                async with s.post(f"{base}/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{base}/v1/completions: HTTP {r.status}: {(await r.text())[:300]}")
+                    await r.read()
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*[one(i) for i in range(b)])
+            return time.perf_counter() - t0
+
+    timer = lambda b, p, n: asyncio.run(burst(b, p, n))  # noqa: E731
+    timer(2, 8, 4)
+    n1, n2 = new_tokens
+    grid = _decode_grid(timer, batches, contexts, n1, n2)
+    pb, plen = min(16, max(batches)), max(32, max(contexts) - n2)
+    prefill_tok_s = pb * plen / timer(pb, plen, 1)
+    return EngineProfile(name=f"server {base}", model=model, max_batch=max(batches),
+                         decode=DecodeCurve(batches=batches, contexts=contexts, step_s=grid),
+                         prefill_tokens_per_s=prefill_tok_s)
+
+
+# ---- the trainer --------------------------------------------------------------------------------------------------
+def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
+                    completion: int = 12, steps: int = 3) -> TrainerProfile:
+    """Forward + backward tokens/s (all samples trained: advantages +-1) of `groups` groups of `group_size` samples
+    sharing a prompt, packed as the trainer loop packs them, and the optimizer step's seconds. `cfg`: TrainerConfig.
+    Tokens counted as the simulator counts them: prompt + completion of every sample."""
+    from inflight.algo.config import AlgoConfig
+    from inflight.algo.losses import make_loss
+    from inflight.contracts import Sample
+    from inflight.trainer.factory import make_trainer
+    from inflight.trainer.packing import count_loss_tokens, pack_samples
+
+    trainer = make_trainer(model_path, cfg)
+    trainer.init()
+    vocab = trainer.model.config.vocab_size  # type: ignore[attr-defined]
+    rng = random.Random(0)
+    samples, adv = [], []
+    for g in range(groups):
+        p = [rng.randrange(3, vocab) for _ in range(prompt)]
+        for i in range(group_size):
+            samples.append(Sample(f"g{g}", list(p), [rng.randrange(3, vocab) for _ in range(completion)],
+                                  [-4.0] * completion, [0] * completion))
+            adv.append(1.0 if i % 2 else -1.0)
+    loss_fn = make_loss(AlgoConfig())
+    n_tok = count_loss_tokens(samples)
+    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    back, opt = [], []
+    for _ in range(steps + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        for mb in pack_samples(samples, adv, cfg.micro_batch_tokens, len(samples), n_tok):
+            trainer.backward(mb, loss_fn)
+        t1 = time.perf_counter()
+        trainer.optimizer_step()
+        back.append(t1 - t0)
+        opt.append(time.perf_counter() - t1)
+    b, o = sorted(back[1:])[len(back[1:]) // 2], sorted(opt[1:])[len(opt[1:]) // 2]
+    devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
+    return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o)
+
+
+# ---- the push ----------------------------------------------------------------------------------------------------
+def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
+    """(push seconds, server pause seconds), medians: the config's model pushed `pushes` times to a real `inflight
+    serve` process with the config's weight client and transport (trainer.protocol inflight), as the trainer loop
+    pushes after every optimizer step. `cfg`: RunConfig."""
+    import copy
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inflight.engine.serve import ServerProcess
+    from inflight.host import free_port
+    from inflight.trainer.protocols import make_weight_sync
+
+    weights = [(n, p.detach()) for n, p in
+               AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).named_parameters()]
+    cfg = copy.deepcopy(cfg)
+    cfg.pipeline.weight_sync_port = free_port()
+    args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len)]
+    times, pauses = [], []
+    with ServerProcess(cfg.model.path, extra_args=args) as server:
+        client = make_weight_sync(cfg, [server.url])
+        try:
+            if cfg.trainer.weight_transport == "process_group":
+                client.init_process_group()
+            for version in range(1, pushes + 1):
+                t0 = time.perf_counter()
+                stats = client.push(weights, version=version)
+                times.append(time.perf_counter() - t0)
+                pauses.append(max(stats["pause_s"].values()))
+                time.sleep(0.05)  # as between optimizer steps
+        finally:
+            client.close()
+    return statistics.median(times[1:]), statistics.median(pauses[1:])  # the first one sets buffers up

@@ -1,0 +1,119 @@
+"""A hardware profile: what the simulator knows about one inference server and the trainer on some machine, as a
+small JSON file (`inflight profile` measures one; inflight/plan/profiles/ holds some built from public figures).
+
+    decode step time t(batch, context)   seconds of one decode step of `batch` sequences of mean length `context`
+    prefill tokens/s                     prompt (and re-prefill) tokens per second of one server
+    trainer tokens/s                     forward + backward tokens per second of `devices` trainer devices
+    push / pause seconds                 one weight update: trainer-side seconds until every server has it, and the
+                                         seconds a server stops generating to swap the weights in
+
+Every figure says where it came from (`source`): a prediction made from a profile names the profile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecodeCurve(_Strict):
+    """Seconds per decode step on a grid: step_s[i][j] at contexts[i], batches[j]. Between grid points the time is
+    interpolated linearly (bilinear); past the largest batch it is extrapolated from the last two points, past the
+    context range it is clamped (a curve measured at one context is flat in context)."""
+
+    batches: list[int] = Field(min_length=1)
+    contexts: list[int] = Field(min_length=1)
+    step_s: list[list[float]]
+
+    @model_validator(mode="after")
+    def _check(self) -> DecodeCurve:
+        if self.batches != sorted(set(self.batches)) or self.batches[0] < 1:
+            raise ValueError("decode.batches must be increasing and >= 1")
+        if self.contexts != sorted(set(self.contexts)) or self.contexts[0] < 1:
+            raise ValueError("decode.contexts must be increasing and >= 1")
+        if len(self.step_s) != len(self.contexts) or any(len(r) != len(self.batches) for r in self.step_s):
+            raise ValueError("decode.step_s must have one row per context and one value per batch")
+        if any(v <= 0 for r in self.step_s for v in r):
+            raise ValueError("decode.step_s values must be > 0")
+        return self
+
+    def _row(self, row: list[float], batch: float) -> float:
+        bs = self.batches
+        if len(bs) == 1:
+            return row[0] * batch / bs[0]  # one point: proportional (CPU-like) is the only honest guess
+        j = min(max(bisect.bisect_left(bs, batch), 1), len(bs) - 1)
+        b0, b1, y0, y1 = bs[j - 1], bs[j], row[j - 1], row[j]
+        if batch <= b0:  # below the smallest batch: flat (a step never gets cheaper than at the smallest batch)
+            return y0
+        return max(y0 + (y1 - y0) * (batch - b0) / (b1 - b0), 1e-12)
+
+    def step_time(self, batch: float, context: float) -> float:
+        cs = self.contexts
+        if len(cs) == 1 or context <= cs[0]:
+            return self._row(self.step_s[0], batch)
+        if context >= cs[-1]:
+            return self._row(self.step_s[-1], batch)
+        i = bisect.bisect_left(cs, context)
+        c0, c1 = cs[i - 1], cs[i]
+        y0, y1 = self._row(self.step_s[i - 1], batch), self._row(self.step_s[i], batch)
+        return y0 + (y1 - y0) * (context - c0) / (c1 - c0)
+
+
+class EngineProfile(_Strict):
+    name: str = ""  # e.g. "builtin", "vllm 0.x"
+    model: str = ""
+    devices: int = Field(1, ge=1)  # devices (GPUs, or CPU threads) one server uses
+    max_batch: int = Field(128, ge=1)  # the largest batch measured / allowed
+    decode: DecodeCurve
+    prefill_tokens_per_s: float = Field(gt=0)
+
+
+class TrainerProfile(_Strict):
+    model: str = ""
+    devices: int = Field(1, ge=1)  # devices the tokens/s was measured on
+    tokens_per_s: float = Field(gt=0)  # forward + backward tokens per second (trained samples only)
+    step_overhead_s: float = Field(0.0, ge=0)  # per optimizer step: the optimizer, gradient clipping, bookkeeping
+    scaling: float = Field(1.0, gt=0, le=1)  # tokens/s at T devices = tokens_per_s * (T / devices) ** scaling
+
+    def tokens_per_s_at(self, devices: int) -> float:
+        return self.tokens_per_s * (devices / self.devices) ** self.scaling
+
+
+class Profile(_Strict):
+    version: int = 1
+    source: str  # where the numbers come from: "measured on <host> <date> by inflight profile" or the citations
+    notes: str = ""  # assumptions
+    engine: EngineProfile
+    trainer: TrainerProfile
+    push_s: float = Field(0.0, ge=0)  # optimizer step done -> every server holds the new weights
+    pause_s: float = Field(0.0, ge=0)  # a server's stop to swap the weights in
+    overhead_s: float = Field(0.0, ge=0)  # per group: latency from its last token to the trainer (network, stream)
+    # per group: seconds of the actor's own serial work (reply decoding, reward scoring, stream put), one group at a
+    # time; negligible on GPU clusters, not on 2 shared CPU cores
+    actor_s_per_group: float = Field(0.0, ge=0)
+    # per group: seconds its server stops decoding to answer it (building the reply with token ids and logprobs on
+    # the server's own process: the built-in engine's thread shares the interpreter with its HTTP server)
+    server_s_per_group: float = Field(0.0, ge=0)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from None
+        data.pop("_comment", None)  # the profiles built from public figures carry their sources in a comment
+        return cls.model_validate(data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1) + "\n")
+        return path

@@ -1,0 +1,98 @@
+"""`inflight profile CONFIG.yaml [key=value ...] --out PROFILE.json`: measure this machine for `inflight plan`.
+
+Measures, with the config's model and thread settings: the built-in engine's decode step time over --batches and
+--contexts and its prefill tokens/s, the pause of a weight swap, and the trainer's tokens/s and optimizer step; or,
+with --server URL, the step-time curve of that running server (vLLM, SGLang, inflight serve) over HTTP, with the
+trainer measured here unless --no-trainer. The JSON says where and when it was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+
+from inflight.plan.profile import Profile, TrainerProfile
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config (YAML): model path, server and trainer threads, batch")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.path=runs/models/tiny")
+    parser.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    parser.add_argument("--batches", type=_ints, default=None, help="decode batch sizes (default 1,8,32,...,max_batch)")
+    parser.add_argument("--contexts", type=_ints, default=None, help="contexts in tokens (default 32)")
+    parser.add_argument("--server", default="", help="time a running OpenAI-compatible server at this URL instead")
+    parser.add_argument("--no-trainer", action="store_true", help="with --server: trainer figures from --tokens-per-s")
+    parser.add_argument("--tokens-per-s", type=float, default=0.0, help="trainer tokens/s when not measured")
+    parser.add_argument("--push-s", type=float, default=None,
+                        help="seconds from optimizer step to every server holding the weights (default: measured "
+                             "here, pushes of the model to a real `inflight serve` with the config's transport; with "
+                             "--server: the engine's pause)")
+    parser.add_argument("--overhead-s", type=float, default=0.0,
+                        help="per group: latency from its last token to the trainer (network, stream)")
+    parser.add_argument("--actor-s-per-group", type=float, default=0.0,
+                        help="per group: the actor's serial seconds (reply decoding, rewards, stream put)")
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="trainer measurement: prompt tokens per group")
+    parser.add_argument("--completion-tokens", type=int, default=12, help="trainer measurement: tokens per completion")
+
+
+def run(args: argparse.Namespace) -> int:
+    from inflight.config import ConfigError, RunConfig, load_config
+
+    try:
+        cfg = load_config(RunConfig, args.config, args.overrides)
+    except (ConfigError, OSError) as exc:
+        print(f"inflight profile: {exc}", file=sys.stderr)
+        return 2
+    if args.no_trainer and args.tokens_per_s <= 0:
+        print("inflight profile: --no-trainer needs --tokens-per-s", file=sys.stderr)
+        return 2
+    if cfg.trainer.backend != "single" and not args.no_trainer:
+        print("inflight profile: the trainer is measured with trainer.backend=single only; for fsdp2 give its "
+              "tokens/s from a short run: --no-trainer --tokens-per-s X", file=sys.stderr)
+        return 2
+    from inflight.plan import measure
+
+    mb = cfg.server.max_batch
+    batches = args.batches or sorted({1, *[b for b in (8, 32, 64, 128, 256) if b < mb], mb})
+    contexts = args.contexts or [32]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    pause = 0.0
+    if args.server:
+        engine = measure.measure_server(args.server, batches, contexts, api_key=cfg.server.api_key)
+    else:
+        engine, pause = measure.measure_engine(cfg.model.path, batches, contexts, threads=cfg.server.threads,
+                                               precision=cfg.server.generator_precision)
+    print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
+          f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
+    push = args.push_s
+    if push is None and not args.server and cfg.trainer.protocol == "inflight":
+        push, pause = measure.measure_push(cfg)
+        print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
+    if args.no_trainer:
+        trainer = TrainerProfile(model=cfg.model.path, tokens_per_s=args.tokens_per_s)
+    else:
+        trainer = measure.measure_trainer(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
+                                          prompt=args.prompt_tokens, completion=args.completion_tokens)
+        print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms")
+    prof = Profile(source=f"measured by `inflight profile {args.config}` on {platform.node()} ({platform.machine()}, "
+                          f"{platform.processor() or 'cpu'}) at {when}",
+                   notes=f"server threads {cfg.server.threads}, trainer threads {cfg.trainer.threads}, trainer "
+                         f"measured on {args.prompt_tokens}-token prompts, {args.completion_tokens}-token completions, "
+                         f"trainer device {cfg.trainer.device}; wall-clock, other load on the machine included",
+                   engine=engine, trainer=trainer, pause_s=pause,
+                   push_s=pause if push is None else push, overhead_s=args.overhead_s,
+                   actor_s_per_group=args.actor_s_per_group)
+    print(f"profile written to {prof.save(args.out)}")
+    return 0

@@ -1,0 +1,42 @@
+"""What a finished run's metrics.jsonl tells the simulator: its workload (completion lengths, prompt tokens per
+group, the share of samples back-propagated) and what it measured (samples/s, the lag histogram, the trainer's busy
+share), for `inflight plan --lengths-from RUN_DIR` and bench/plan_check.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_run(run_dir: str | Path, skip: int = 0) -> dict:
+    """samples/s and busy share between the end of step `skip` and the last step (skip >= 1 leaves the start-up
+    out; 0 counts from the first step's end), lag histogram and workload over all steps."""
+    path = Path(run_dir) / "metrics.jsonl"
+    recs = []
+    for line in path.read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except ValueError:  # a line cut by a crash
+            continue
+    steps = [r for r in recs if r.get("event") == "train_step"]
+    if len(steps) <= max(1, skip):
+        raise ValueError(f"{path}: {len(steps)} optimizer steps, need more than {max(1, skip)}")
+    a, b = steps[max(1, skip) - 1], steps[-1]
+    lag: dict[int, int] = {}
+    for r in steps:
+        for k, v in r["lag_hist"].items():
+            lag[int(k)] = lag.get(int(k), 0) + v
+    lengths = []  # each step's lengths as its min, its max, and the rest at its mean (the records keep no more)
+    for r in steps:
+        n, mean, lo, hi = r["samples"], r["completion_len_mean"], r["completion_len_min"], r["completion_len_max"]
+        rest = round((mean * n - lo - hi) / max(1, n - 2))
+        lengths += [lo, hi] + [max(1, rest)] * (n - 2)
+    gps = len(steps[0]["group_indices"]) or 1
+    span = b["time"] - a["time"]
+    return {
+        "steps": len(steps), "samples_per_s": (b["samples_total"] - a["samples_total"]) / span,
+        "lag": lag, "lengths": lengths, "prompt_tokens": sum(r["prompt_tokens"] for r in steps) / len(steps) / gps,
+        "trained_frac": sum(r["trained_samples"] for r in steps) / sum(r["samples"] for r in steps),
+        "trainer_busy": sum(r["train_s"] for r in steps[max(1, skip):]) / span,
+        "step_s": span / (len(steps) - max(1, skip)),
+    }

@@ -1,0 +1,375 @@
+"""A discrete-event simulation of the RL loop (docs/architecture.md, "One optimizer step, in order"), pipelined and
+sync, on a Profile (profile.py) and a SimConfig (workload.py). Pure Python, seeded, a few seconds for thousands of
+samples: a server does not simulate one decode step at a time but runs until the next sequence ends, and an outside
+event (a new request with room in the batch, a weight update) cuts that run at the next step boundary.
+
+What it models, as the code does:
+- the actor starts group k only while k < (published + max_lag + 1 + queue_ahead if gated) x groups_per_step, at most
+  `concurrency_per_server` requests per server, each to the server with the fewest outstanding; a gated request
+  carries min_weight_version = k // groups_per_step - max_lag and the server holds it until it has that version;
+- a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
+  t(b, c), newly admitted prompts cost prompt tokens / prefill tokens/s before the step; an update is swapped in at
+  the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
+- a finished group stops its server `server_s_per_group` (the reply), then costs the actor `actor_s_per_group` of
+  serial work, then reaches the trainer `overhead_s` later;
+- the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of its
+  tokens at the profile's tokens/s for T devices), waits for the previous push, then the optimizer step
+  (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
+  pipelined: a push after every step; sync: the round's first step waits for all of its num_grad_steps x
+  groups_per_step groups, and the push follows the round's last step.
+Not modelled: CPU cores shared between roles, evaluation requests, failures, the actor's HTTP concurrency.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from inflight.plan.profile import Profile
+from inflight.plan.workload import SimConfig
+
+
+class _Group:
+    __slots__ = ("index", "min_version", "lengths", "admitted", "left", "server", "versions", "tokens")
+
+    def __init__(self, index: int, min_version: int, lengths: list[int], server: int):
+        self.index, self.min_version, self.lengths, self.server = index, min_version, lengths, server
+        self.admitted = 0  # sequences admitted to the batch so far
+        self.left = len(lengths)  # sequences not finished
+        self.versions: dict[int, int] = {}  # weight version -> completion tokens sampled with it
+        self.tokens = 0  # prompt + completion tokens of all its sequences
+
+
+class _Server:
+    def __init__(self, k: int):
+        self.k = k
+        self.counter = 0  # decode steps done
+        self.version = 0
+        self.changes: list[int] = [0]  # counter at which each version change took effect
+        self.change_versions: list[int] = [0]
+        self.heap: list[tuple[int, int, int, _Group]] = []  # (finish counter, tie, start counter, group) running
+        self.ctx_base = 0  # sum over running sequences of (prompt - start counter); + b * counter = total context
+        self.waiting: deque[_Group] = deque()
+        self.pending: int | None = None  # a version that arrived and waits for the next step boundary
+        self.chunk: tuple[int, float, float, float, int, int] | None = None  # (id, t0, steps start, dt, n, b)
+        self.paused = False
+        self.kick_due = False  # a "kick" event is queued (all of one instant's arrivals join the same batch)
+        self.cid = 0  # id of the latest run: the end event of a run that was cut carries an older one
+        self.outstanding = 0
+        self.busy = 0.0
+        self.batch_time = 0.0  # integral of the batch over decode time
+        self.decode_time = 0.0
+        self.tokens = 0
+
+    def context_sum(self) -> int:
+        return self.ctx_base + len(self.heap) * self.counter
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    source: str  # the profile's source: every figure below is a prediction from it
+    step_end_s: list[float]  # time of each optimizer step (from the start, servers ready)
+    samples_per_step: int
+    lag_hist: dict[int, int]  # trainer version - token version -> completion tokens
+    server_busy: list[float]  # share of the run each server was decoding, prefilling or paused
+    server_mean_batch: float  # mean batch while decoding (time-weighted): how full the batches stayed
+    trainer_busy: float
+    server_tokens_per_s: float  # generated tokens per second, all servers
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return self.step_end_s[-1]
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step * len(self.step_end_s) / self.wall_s
+
+    def steady_samples_per_s(self, first: int) -> float:
+        """Samples per second between the end of step `first` (1-based) and the last step: no pipeline fill."""
+        n = len(self.step_end_s)
+        if not 1 <= first < n:
+            return self.samples_per_s
+        return self.samples_per_step * (n - first) / (self.step_end_s[-1] - self.step_end_s[first - 1])
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.wall_s / len(self.step_end_s)
+
+    def time_to_samples(self, n: int) -> float | None:
+        """Seconds until the optimizer step that brings the samples trained to n (None: not within the run)."""
+        k = math.ceil(n / self.samples_per_step)
+        return self.step_end_s[k - 1] if 1 <= k <= len(self.step_end_s) else (0.0 if k < 1 else None)
+
+    def lag_share(self) -> dict[int, float]:
+        total = sum(self.lag_hist.values()) or 1
+        return {k: v / total for k, v in sorted(self.lag_hist.items())}
+
+
+class Simulator:
+    def __init__(self, profile: Profile, cfg: SimConfig, occupancy: bool = False):
+        self.p, self.cfg = profile, cfg
+        self.track = occupancy  # record the busy states (contention.py needs them; O(servers) per event)
+        self.rng = random.Random(cfg.seed)
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.servers = [_Server(k) for k in range(cfg.servers)]
+        self.started = 0
+        self.published = 0
+        self.total_groups = cfg.steps * cfg.groups_per_step
+        self.ready: dict[int, _Group] = {}
+        self.next_group = 0  # next group (start order) the trainer back-propagates
+        self.version = 0  # trainer's weights
+        self.trainer_busy = False
+        self.trainer_time = 0.0
+        self.push_end = 0.0
+        self.step_end: list[float] = []
+        self.lag: dict[int, int] = {}
+        self.actor_free = 0.0  # when the actor's serial per-group work is next free
+        # time spent in each (trainer threads busy: compute + push, servers busy, actor busy) state: what shares the
+        # cores (contention.py)
+        self.occupancy: dict[tuple[int, int, int], float] = {}
+        self.tok_s = profile.trainer.tokens_per_s_at(cfg.trainer_devices)
+        self.prefill = profile.engine.prefill_tokens_per_s
+
+    # -- the event queue ----------------------------------------------------------------------------------------
+    def _at(self, t: float, kind: str, obj: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def run(self) -> SimResult:
+        self._actor()
+        self._trainer()
+        while self.events and len(self.step_end) < self.cfg.steps:
+            t, _, kind, obj = heapq.heappop(self.events)
+            if self.track and t > self.now:
+                state = (int(self.trainer_busy) + int(self.push_end > self.now),  # the push works on a thread
+                         sum(s.chunk is not None or s.paused for s in self.servers),
+                         int(self.actor_free > self.now))
+                self.occupancy[state] = self.occupancy.get(state, 0.0) + t - self.now
+            self.now = t
+            getattr(self, "_on_" + kind)(obj)
+        if len(self.step_end) < self.cfg.steps:
+            raise RuntimeError(f"simulation stalled after {len(self.step_end)} steps (a bug, or a config that can "
+                               "never fill a step)")
+        end = self.step_end[-1]
+        dec = sum(s.decode_time for s in self.servers)
+        return SimResult(
+            config=self.cfg, source=self.p.source, step_end_s=list(self.step_end),
+            samples_per_step=self.cfg.groups_per_step * self.cfg.group_size, lag_hist=dict(sorted(self.lag.items())),
+            server_busy=[min(1.0, s.busy / end) for s in self.servers],
+            server_mean_batch=sum(s.batch_time for s in self.servers) / dec if dec else 0.0,
+            trainer_busy=min(1.0, self.trainer_time / end),
+            server_tokens_per_s=sum(s.tokens for s in self.servers) / end, extra={"occupancy": self.occupancy})
+
+    # -- actor ----------------------------------------------------------------------------------------------------
+    def _allowed(self) -> int:
+        c = self.cfg
+        ahead = c.queue_ahead if c.gated else 0
+        return min(self.total_groups, (self.published + c.max_lag + 1 + ahead) * c.groups_per_step)
+
+    def _actor(self) -> None:
+        c = self.cfg
+        while self.started < self._allowed():
+            free = [s for s in self.servers if s.outstanding < c.concurrency_per_server]
+            if not free:
+                return
+            srv = min(free, key=lambda s: s.outstanding)
+            k = self.started
+            min_v = max(0, k // c.groups_per_step - c.max_lag) if c.gated else 0
+            g = _Group(k, min_v, [c.lengths.sample(self.rng) for _ in range(c.group_size)], srv.k)
+            g.tokens = sum(g.lengths) + c.prompt_tokens * c.group_size
+            self.started += 1
+            srv.outstanding += 1
+            srv.waiting.append(g)
+            self._poke(srv, admissible=min_v <= srv.version and len(srv.heap) < c.max_batch)
+
+    # -- servers --------------------------------------------------------------------------------------------------
+    def _poke(self, srv: _Server, admissible: bool) -> None:
+        """Something changed for `srv`: start it if idle, or cut its run at the next step boundary."""
+        if srv.paused:
+            return
+        if srv.chunk is None:
+            self._kick_soon(srv)
+            return
+        if not admissible:
+            return
+        cid, t0, start, dt, n, b = srv.chunk
+        k = max(1, math.ceil((self.now - start) / dt - 1e-9))
+        if k < n:
+            srv.cid += 1
+            srv.chunk = (srv.cid, t0, start, dt, k, b)
+            self._at(start + k * dt, "chunk", (srv, srv.cid))
+
+    def _kick_soon(self, srv: _Server) -> None:
+        if not srv.kick_due:
+            srv.kick_due = True
+            self._at(self.now, "kick", srv)
+
+    def _on_kick(self, srv: _Server) -> None:
+        srv.kick_due = False
+        if srv.chunk is None and not srv.paused:
+            self._kick(srv)
+
+    def _kick(self, srv: _Server) -> None:
+        """The server is free at self.now: swap in a pending update, admit waiting sequences, run until the next
+        sequence ends."""
+        c, t = self.cfg, self.now
+        if srv.pending is not None:
+            cost = self.p.pause_s
+            if c.update_mode == "interrupt" and srv.heap:
+                cost += srv.context_sum() / self.prefill
+            srv.version, srv.pending = srv.pending, None
+            srv.changes.append(srv.counter)
+            srv.change_versions.append(srv.version)
+            srv.busy += cost
+            srv.paused = True
+            self._at(t + cost, "resume", srv)
+            return
+        prefill_tokens = 0
+        while srv.waiting and len(srv.heap) < c.max_batch and srv.waiting[0].min_version <= srv.version:
+            g = srv.waiting[0]
+            length = g.lengths[g.admitted]
+            if g.admitted == 0 or not c.share_prompt:
+                prefill_tokens += c.prompt_tokens
+            self.seq += 1
+            heapq.heappush(srv.heap, (srv.counter + length, self.seq, srv.counter, g))
+            srv.ctx_base += c.prompt_tokens - srv.counter
+            g.admitted += 1
+            if g.admitted == len(g.lengths):
+                srv.waiting.popleft()
+        if not srv.heap:
+            srv.chunk = None
+            return
+        b = len(srv.heap)
+        n = srv.heap[0][0] - srv.counter
+        ctx = srv.context_sum() / b + n / 2
+        dt = self.p.engine.decode.step_time(b, ctx)
+        start = t + prefill_tokens / self.prefill
+        srv.cid += 1
+        srv.chunk = (srv.cid, t, start, dt, n, b)
+        self._at(start + n * dt, "chunk", (srv, srv.cid))
+
+    def _on_chunk(self, obj: object) -> None:
+        srv, cid = obj  # type: ignore[misc]
+        if srv.chunk is None or srv.chunk[0] != cid:
+            return  # a run that was cut: its later end is void
+        _, t0, start, dt, n, b = srv.chunk
+        srv.chunk = None
+        srv.counter += n
+        srv.busy += self.now - t0
+        srv.decode_time += n * dt
+        srv.batch_time += n * dt * b
+        srv.tokens += n * b
+        replies = 0
+        while srv.heap and srv.heap[0][0] <= srv.counter:
+            finish, _, begin, g = heapq.heappop(srv.heap)
+            srv.ctx_base -= self.cfg.prompt_tokens - begin
+            self._count_versions(srv, g, begin, finish)
+            g.left -= 1
+            if g.left == 0:
+                replies += 1
+                srv.outstanding -= 1
+                reply = self.now + replies * self.p.server_s_per_group
+                self.actor_free = max(reply, self.actor_free) + self.p.actor_s_per_group
+                self._at(self.actor_free + self.p.overhead_s, "group", g)
+                self._actor()
+        if replies and self.p.server_s_per_group:  # the server answers before its next step
+            cost = replies * self.p.server_s_per_group
+            srv.busy += cost
+            srv.paused = True
+            self._at(self.now + cost, "resume", srv)
+            return
+        self._kick_soon(srv)
+
+    @staticmethod
+    def _count_versions(srv: _Server, g: _Group, begin: int, finish: int) -> None:
+        """The version of each token of steps [begin, finish): a change at counter c applies to steps >= c."""
+        i = bisect.bisect_right(srv.changes, begin) - 1
+        pos = begin
+        while pos < finish:
+            nxt = srv.changes[i + 1] if i + 1 < len(srv.changes) else finish
+            upto = min(nxt, finish)
+            if upto > pos:
+                v = srv.change_versions[i]
+                g.versions[v] = g.versions.get(v, 0) + upto - pos
+            pos = upto
+            i += 1
+
+    def _on_resume(self, srv: _Server) -> None:
+        srv.paused = False
+        self._kick_soon(srv)
+
+    def _on_update(self, obj: object) -> None:
+        version = int(obj)  # type: ignore[call-overload]
+        for srv in self.servers:
+            srv.pending = version
+            self._poke(srv, admissible=True)
+        if not self.cfg.gated:
+            self._publish(version)
+
+    # -- trainer --------------------------------------------------------------------------------------------------
+    def _on_group(self, g: _Group) -> None:
+        self.ready[g.index] = g
+        self._trainer()
+
+    def _trainer(self) -> None:
+        c = self.cfg
+        if self.trainer_busy or len(self.step_end) >= c.steps:
+            return
+        gps = c.groups_per_step
+        step = self.version
+        if c.mode == "sync" and step % c.num_grad_steps == 0 and self.next_group == step * gps:
+            round_end = min(self.total_groups, (step + c.num_grad_steps) * gps)
+            if any(k not in self.ready for k in range(self.next_group, round_end)):
+                return  # the conventional loop: a round trains only once all of it is generated
+        if self.next_group < (step + 1) * gps:
+            g = self.ready.get(self.next_group)
+            if g is None:
+                return
+            work = c.trained_frac * g.tokens / self.tok_s
+            self.trainer_busy = True
+            self.trainer_time += work
+            self._at(self.now + work, "backward", None)
+            return
+        start = max(self.now, self.push_end)  # the optimizer writes the weights the previous push reads
+        self.trainer_busy = True
+        self.trainer_time += self.p.trainer.step_overhead_s
+        self._at(start + self.p.trainer.step_overhead_s, "optimizer", None)
+
+    def _on_backward(self, _: object) -> None:
+        self.trainer_busy = False
+        self.next_group += 1
+        self._trainer()
+
+    def _on_optimizer(self, _: object) -> None:
+        c = self.cfg
+        self.trainer_busy = False
+        trained_at = self.version
+        for k in range(trained_at * c.groups_per_step, (trained_at + 1) * c.groups_per_step):
+            for v, n in self.ready.pop(k).versions.items():
+                self.lag[trained_at - v] = self.lag.get(trained_at - v, 0) + n
+        self.version += 1
+        self.step_end.append(self.now)
+        if c.mode == "pipelined" or self.version % c.num_grad_steps == 0:
+            if c.gated:
+                self._publish(self.version)
+            self.push_end = self.now + self.p.push_s
+            self._at(self.push_end, "update", self.version)
+        self._trainer()
+
+    def _publish(self, version: int) -> None:
+        self.published = max(self.published, version)
+        self._actor()
+
+
+def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False) -> SimResult:
+    """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
+    spent in each (trainer threads, servers, actor) busy state."""
+    return Simulator(profile, cfg, occupancy).run()

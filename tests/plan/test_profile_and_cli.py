@@ -1,0 +1,170 @@
+"""Profiles (JSON round trip, interpolation, refusal of bad files), `inflight plan` on a small profile, and (slow)
+`inflight profile` measuring the built-in engine and trainer of a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from inflight.cli import main
+from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILES = REPO / "inflight" / "plan" / "profiles"
+
+
+def small_profile() -> Profile:
+    return Profile(source="test: a GPU-like curve", notes="made up",
+                   engine=EngineProfile(devices=1, max_batch=64,
+                                        decode=DecodeCurve(batches=[1, 16, 64], contexts=[32, 512],
+                                                           step_s=[[0.010, 0.012, 0.020], [0.011, 0.014, 0.030]]),
+                                        prefill_tokens_per_s=20000.0),
+                   trainer=TrainerProfile(devices=1, tokens_per_s=5000.0, step_overhead_s=0.1, scaling=0.9),
+                   push_s=0.2, pause_s=0.05, overhead_s=0.01)
+
+
+def test_round_trip(tmp_path):
+    p = small_profile()
+    path = p.save(tmp_path / "sub" / "p.json")
+    assert Profile.load(path) == p
+    assert json.loads(path.read_text())["engine"]["decode"]["batches"] == [1, 16, 64]
+
+
+def test_interpolation_by_hand():
+    d = small_profile().engine.decode
+    assert d.step_time(16, 32) == pytest.approx(0.012)
+    assert d.step_time(40, 32) == pytest.approx(0.012 + (0.020 - 0.012) * 24 / 48)  # between batches
+    assert d.step_time(16, 272) == pytest.approx((0.012 + 0.014) / 2)  # halfway in context
+    assert d.step_time(128, 32) == pytest.approx(0.020 + (0.020 - 0.012) * 64 / 48)  # past the grid: the last slope
+    assert d.step_time(16, 4096) == pytest.approx(0.014)  # context clamped
+    t = small_profile().trainer
+    assert t.tokens_per_s_at(4) == pytest.approx(5000.0 * 4**0.9)
+
+
+@pytest.mark.parametrize("change", [
+    {"engine": {"decode": {"batches": [16, 1], "contexts": [32], "step_s": [[0.1, 0.1]]}, "prefill_tokens_per_s": 1}},
+    {"engine": {"decode": {"batches": [1], "contexts": [32], "step_s": [[0.1, 0.2]]}, "prefill_tokens_per_s": 1}},
+    {"engine": {"decode": {"batches": [1], "contexts": [32], "step_s": [[-1.0]]}, "prefill_tokens_per_s": 1}},
+    {"push_s": -1},
+    {"unknown_field": 3},
+])
+def test_bad_profiles_are_refused(change):
+    data = small_profile().model_dump()
+    data.update(change)
+    with pytest.raises(ValidationError):
+        Profile.model_validate(data)
+
+
+def test_shipped_profiles_load_and_name_their_sources():
+    paths = sorted(PROFILES.glob("*.json"))
+    assert paths, "inflight/plan/profiles/ holds the profiles built from public figures"
+    for path in paths:
+        p = Profile.load(path)
+        comment = " ".join(json.loads(path.read_text())["_comment"])
+        assert "https://" in comment and "ON PAPER" in p.source  # cited sources; never taken for a measurement
+
+
+def test_plan_cli_prints_a_split_and_writes_plot_and_json(tmp_path, capsys):
+    prof = small_profile().save(tmp_path / "p.json")
+    code = main(["plan", str(REPO / "configs" / "cpu-demo.yaml"), "actor.groups_per_step=8", "actor.max_lag=2",
+                 "--gpus", "4", "--profile", str(prof), "--lengths", "lognormal:40:0.8:200", "--steps", "8",
+                 "--plot", str(tmp_path / "plan.png"), "--json", str(tmp_path / "plan.json"), "--samples", "100000"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "PREDICTION" in out and "test: a GPU-like curve" in out
+    assert "best split:" in out and "server(s)" in out
+    assert "predicted time to 100000 samples: pipelined" in out
+    res = json.loads((tmp_path / "plan.json").read_text())
+    assert res["prediction"] is True
+    pipe = res["setups"]["pipelined"]
+    assert pipe["servers"] + pipe["trainer_devices"] == 4 and pipe["servers"] >= 1
+    assert max(int(k) for k in pipe["lag"]) <= 2
+    assert res["ratio"] == pytest.approx(pipe["samples_per_s"] / max(res["setups"]["sync (split)"]["samples_per_s"],
+                                                                     res["setups"]["sync colocated"]["samples_per_s"]))
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_cli_refuses_bad_input(tmp_path, capsys):
+    cfg = str(REPO / "configs" / "cpu-demo.yaml")
+    assert main(["plan", cfg, "--gpus", "4", "--profile", str(tmp_path / "missing.json")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["plan", cfg, "--gpus", "4", "--profile", str(bad)]) == 2
+    prof = small_profile().save(tmp_path / "p.json")
+    assert main(["plan", cfg, "--gpus", "1", "--profile", str(prof)]) == 2  # no device left for a trainer
+    assert main(["plan", cfg, "--gpus", "4", "--profile", str(prof), "--lengths", "zipf:2"]) == 2
+    assert "inflight plan:" in capsys.readouterr().err
+    out = str(tmp_path / "never.json")
+    assert main(["profile", cfg, "trainer.backend=fsdp2", "--out", out]) == 2  # refused before measuring anything
+    assert main(["profile", cfg, "--out", out, "--no-trainer", "--server", "http://127.0.0.1:9"]) == 2  # no tokens/s
+    assert not Path(out).exists()
+
+
+@pytest.mark.slow
+def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
+    from inflight.modelkit.build import make_model
+    from inflight.tasks.config import TaskConfig
+
+    model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
+    out = tmp_path / "prof.json"
+    code = main(["profile", str(REPO / "configs" / "cpu-demo.yaml"), f"model.path={model}", "actor.groups_per_step=2",
+                 "--out", str(out), "--batches", "1,16", "--contexts", "24"])
+    assert code == 0
+    p = Profile.load(out)
+    assert p.engine.decode.batches == [1, 16] and p.engine.decode.contexts == [24]
+    step1, step16 = p.engine.decode.step_s[0]
+    assert 0 < step1 < 1.0 and 0 < step16 < 1.0
+    assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
+    assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
+    assert "measured by `inflight profile" in p.source
+
+
+@pytest.mark.slow
+def test_server_curve_over_http(tmp_path):
+    """The step-time curve of a running OpenAI-compatible server (here `inflight serve`; vLLM and SGLang alike)."""
+    from inflight.engine.serve import ServerProcess
+    from inflight.modelkit.build import make_model
+    from inflight.plan.measure import measure_server
+    from inflight.tasks.config import TaskConfig
+
+    model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
+    with ServerProcess(str(model), extra_args=["--threads", "1", "--max-model-len", "256"]) as server:
+        eng = measure_server(server.url, [1, 8], [24], new_tokens=(4, 20))
+    assert eng.decode.batches == [1, 8] and len(eng.decode.step_s[0]) == 2
+    assert all(0 < v < 1.0 for v in eng.decode.step_s[0])
+    assert eng.prefill_tokens_per_s > 0 and server.url in eng.name
+
+
+def test_roofline_by_hand():
+    from inflight.plan import roofline
+
+    hw = roofline.Hardware("h", bandwidth=1e12, flops=1e15, mem_eff=0.5, flop_eff=0.5, train_mfu=0.25)
+    m = roofline.ModelShape("m", params=1e9, layers=10, kv_heads=2, head_dim=64)
+    assert m.kv_bytes_per_token == 2 * 10 * 2 * 64 * 2
+    # weights 2e9 B + 8 x 100 x 5120 B of KV at 0.5e12 B/s, plus 8 x 2e9 FLOP at 0.5e15 FLOP/s
+    want = (2e9 + 8 * 100 * 5120) / 0.5e12 + 8 * 2e9 / 0.5e15
+    assert roofline.step_s(hw, m, 8, 100) == pytest.approx(want)
+    assert roofline.step_s(hw, m, 8, 100, tp=2) == pytest.approx(want / 2)
+    p = roofline.profile(hw, m, batches=[1, 8], contexts=[100], max_batch=8, source="ON PAPER: test", notes="",
+                         push_s=1.0, pause_s=0.1)
+    assert p.engine.decode.step_time(8, 100) == pytest.approx(want)
+    assert p.trainer.tokens_per_s == pytest.approx(0.25e15 / 6e9)
+    assert p.engine.prefill_tokens_per_s == pytest.approx(0.5e15 / 2e9)
+
+
+def test_plan_cli_takes_lengths_from_a_run_folder(tmp_path, capsys):
+    steps = [{"event": "train_step", "time": 10.0 + i, "samples_total": 64 * (i + 1), "samples": 64,
+              "lag_hist": {"0": 5},
+              "completion_len_mean": 30.0, "completion_len_min": 10, "completion_len_max": 50, "prompt_tokens": 40,
+              "group_indices": list(range(8 * i, 8 * i + 8)), "trained_samples": 32, "train_s": 0.5}
+             for i in range(3)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + "{cut")
+    prof = small_profile().save(tmp_path / "p.json")
+    assert main(["plan", str(REPO / "configs" / "cpu-demo.yaml"), "actor.groups_per_step=8", "--gpus", "3",
+                 "--profile", str(prof), "--lengths-from", str(run), "--steps", "4"]) == 0
+    assert "mean completion 30 tokens" in capsys.readouterr().out

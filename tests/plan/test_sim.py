@@ -1,0 +1,131 @@
+"""The simulator against cases computed by hand, and its invariants (staleness bound, busy shares, determinism)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+from inflight.plan.sim import simulate
+from inflight.plan.workload import Lengths, SimConfig
+
+
+def flat_profile(step_s: float = 0.01, tok_s: float = 1e12, prefill: float = 1e12, push: float = 0.0,
+                 pause: float = 0.0, overhead: float = 0.0) -> Profile:
+    return Profile(source="hand-made test profile",
+                   engine=EngineProfile(decode=DecodeCurve(batches=[1, 128], contexts=[1], step_s=[[step_s, step_s]]),
+                                        prefill_tokens_per_s=prefill, max_batch=128),
+                   trainer=TrainerProfile(tokens_per_s=tok_s), push_s=push, pause_s=pause, overhead_s=overhead)
+
+
+BASE = SimConfig(servers=1, max_batch=128, group_size=8, groups_per_step=16, prompt_tokens=0,
+                 lengths=Lengths("fixed:10"), steps=16)
+
+
+def steady(r, first: int = 4) -> float:
+    return r.steady_samples_per_s(first)
+
+
+def test_generation_bound_rate_is_batch_over_length_times_step():
+    # 128 sequences of 10 tokens per step, one full batch of 128, 10 ms a step: 128 / (10 x 0.01) = 1280 samples/s
+    for mode in ("pipelined", "sync"):
+        r = simulate(flat_profile(), dataclasses.replace(BASE, mode=mode))
+        assert r.samples_per_s == pytest.approx(1280.0, rel=1e-6)
+        assert r.server_mean_batch == pytest.approx(128.0)
+        assert r.server_tokens_per_s == pytest.approx(12800.0, rel=1e-6)
+
+
+def test_training_time_adds_in_sync_and_on_policy_but_overlaps_with_lag():
+    # one step: generation 10 x 10 ms = 0.1 s; training 1280 tokens at 25,600 tok/s = 0.05 s
+    prof = flat_profile(tok_s=25600.0)
+    sync = simulate(prof, dataclasses.replace(BASE, mode="sync", num_grad_steps=4))
+    assert steady(sync) == pytest.approx(512 / (0.4 + 0.2), rel=1e-6)  # a round: 4 x 0.1 generate, then 4 x 0.05
+    on_policy = simulate(prof, dataclasses.replace(BASE, max_lag=0))
+    assert steady(on_policy) == pytest.approx(128 / 0.15, rel=1e-6)  # generate, train, generate...
+    lag1 = simulate(prof, dataclasses.replace(BASE, max_lag=1))
+    assert steady(lag1) == pytest.approx(1280.0, rel=1e-6)  # training hidden behind generation
+    assert lag1.trainer_busy == pytest.approx(0.5, rel=0.05)
+    assert sync.trainer_busy == pytest.approx(1 / 3, rel=0.05)
+
+
+def test_trainer_bound_rate_and_step_overhead():
+    # training 0.2 s per step (+ 0.05 s optimizer) > generation 0.1 s: the trainer sets the pace
+    prof = flat_profile(tok_s=6400.0).model_copy(update={"trainer": TrainerProfile(tokens_per_s=6400.0,
+                                                                                   step_overhead_s=0.05)})
+    r = simulate(prof, dataclasses.replace(BASE, max_lag=2))
+    assert steady(r) == pytest.approx(128 / 0.25, rel=1e-6)
+    assert r.trainer_busy > 0.95
+    half = simulate(prof, dataclasses.replace(BASE, max_lag=2, trained_frac=0.5))  # zero-advantage samples skipped
+    assert steady(half) == pytest.approx(128 / 0.15, rel=1e-6)  # 0.1 s training + 0.05 s optimizer
+
+
+def test_push_time_delays_gated_requests_and_pause_stops_the_server():
+    # on-policy: each step waits for the push (0.02 s) and the server's pause (0.01 s) before generating
+    r = simulate(flat_profile(push=0.02, pause=0.01), dataclasses.replace(BASE, max_lag=0))
+    assert steady(r) == pytest.approx(128 / (0.1 + 0.03), rel=1e-6)
+    assert r.server_busy[0] == pytest.approx(0.11 / 0.13, rel=0.02)  # decoding + paused, not waiting
+
+
+def test_lag_histograms():
+    on_policy = simulate(flat_profile(), dataclasses.replace(BASE, max_lag=0, lengths=Lengths("uniform:1:40")))
+    assert set(on_policy.lag_hist) == {0}
+    sync1 = simulate(flat_profile(), dataclasses.replace(BASE, mode="sync", num_grad_steps=1))
+    assert set(sync1.lag_hist) == {0}  # one optimizer step per round: the conventional on-policy loop
+    sync4 = simulate(flat_profile(), dataclasses.replace(BASE, mode="sync", num_grad_steps=4))
+    assert sync4.lag_share() == pytest.approx({0: 0.25, 1: 0.25, 2: 0.25, 3: 0.25})
+    total = 16 * 128 * 10
+    assert sum(sync4.lag_hist.values()) == total  # every completion token of every trained sample, once
+
+
+@pytest.mark.parametrize("mode,update,gated,lag,servers", [
+    ("pipelined", "keep", True, 0, 3), ("pipelined", "keep", True, 1, 2), ("pipelined", "interrupt", True, 2, 4),
+    ("pipelined", "keep", False, 1, 2), ("pipelined", "keep", False, 0, 1), ("sync", "keep", True, 0, 2),
+])
+def test_staleness_bound_and_shares_hold_on_random_workloads(mode, update, gated, lag, servers):
+    prof = flat_profile(tok_s=30000.0, prefill=2e5, push=0.05, pause=0.01, overhead=0.003)
+    prof = prof.model_copy(update={"engine": prof.engine.model_copy(update={"decode": DecodeCurve(
+        batches=[1, 16, 64], contexts=[16, 256], step_s=[[0.004, 0.005, 0.009], [0.005, 0.007, 0.014]])})})
+    cfg = SimConfig(mode=mode, update_mode=update, gated=gated, max_lag=lag, servers=servers, max_batch=48,
+                    group_size=4, groups_per_step=12, prompt_tokens=20, lengths=Lengths("lognormal:40:1.0:300"),
+                    steps=12, seed=3, concurrency_per_server=5)
+    r = simulate(prof, cfg)
+    bound = cfg.num_grad_steps - 1 if mode == "sync" else lag
+    assert max(r.lag_hist) <= bound and min(r.lag_hist) >= 0
+    assert all(0.0 <= b <= 1.0 for b in r.server_busy) and 0.0 <= r.trainer_busy <= 1.0
+    assert 0 < r.server_mean_batch <= 48
+    assert r.step_end_s == sorted(r.step_end_s) and len(r.step_end_s) == cfg.steps
+    assert simulate(prof, cfg).step_end_s == r.step_end_s  # seeded: the same run twice
+    assert simulate(prof, dataclasses.replace(cfg, seed=4)).step_end_s != r.step_end_s
+
+
+def test_interrupt_pays_for_re_prefill_only_when_prefill_costs():
+    cfg = dataclasses.replace(BASE, max_lag=2, lengths=Lengths("uniform:5:60"), prompt_tokens=100)
+    slow = flat_profile(tok_s=20000.0, prefill=2e4)
+    keep = simulate(slow, cfg)
+    interrupt = simulate(slow, dataclasses.replace(cfg, update_mode="interrupt"))
+    assert interrupt.samples_per_s < keep.samples_per_s
+    fast = flat_profile(tok_s=20000.0)
+    assert simulate(fast, dataclasses.replace(cfg, update_mode="interrupt")).step_end_s == pytest.approx(
+        simulate(fast, cfg).step_end_s)
+
+
+def test_time_to_samples():
+    from inflight.plan.split import time_to
+
+    r = simulate(flat_profile(), BASE)
+    assert r.time_to_samples(128) == pytest.approx(0.1)
+    assert r.time_to_samples(129) == pytest.approx(0.2)
+    assert r.time_to_samples(10**9) is None
+    assert time_to(r, 128 * 16 + 1280) == pytest.approx(1.6 + 1.0)  # beyond the run: at the steady 1280 samples/s
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError):
+        SimConfig(mode="async")
+    with pytest.raises(ValueError):
+        SimConfig(max_lag=-1)
+    with pytest.raises(ValueError):
+        Lengths("gamma:3")
+    with pytest.raises(ValueError):
+        Lengths(values=[0, 3])
