@@ -482,3 +482,12 @@ def test_adapter_on_the_generic_hf_path_is_copied_in(gpt2_dir, tmp_path):
     for n, p in eng.model.named_parameters():
         assert torch.allclose(p.double(), want[n], atol=1e-6), n  # attn is W0 again
     assert eng.version == 2
+
+
+def test_serve_adapter_is_refused_with_another_engine(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "inflight.cli", "serve", "--model", str(tmp_path), "--engine", "vllm",
+                        "--adapter", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--adapter is for the built-in engine" in r.stderr, r.stderr

@@ -54,6 +54,9 @@ def strip_engine_flag(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine != "builtin" and args.adapter:
+        raise SystemExit(f"--adapter is for the built-in engine; with --engine {args.engine}, push the adapter as an "
+                         "update once the server is up (docs/inference-contract.md, \"Adapter updates\")")
     if args.engine == "vllm":
         from inflight.engine.vllm_backend.launcher import main as vllm_main
 
