@@ -50,6 +50,22 @@ class RolloutClient:
     def for_group(self, min_version: int) -> "RolloutClient":
         return RolloutClient(self.pool, self.cfg, self.model, min_version)
 
+    def _payload(self, n: int, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                 extra: dict[str, Any]) -> dict[str, Any]:
+        payload = {
+            "model": self.model,
+            "n": n,
+            "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
+            "temperature": self.cfg.temperature if temperature is None else temperature,
+            "top_p": self.cfg.top_p if top_p is None else top_p,
+            **extra,
+        }
+        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
+            payload.setdefault("return_token_ids", True)
+        elif self.min_version > 0:
+            payload["min_weight_version"] = self.min_version
+        return payload
+
     async def chat(
         self,
         messages: list[dict[str, str]],
@@ -62,21 +78,30 @@ class RolloutClient:
     ) -> list[Completion]:
         if self.model is None:
             self.model = await self.pool.model_name()
-        payload = {
-            "model": self.model,
-            "messages": messages,
-            "n": n,
-            "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
-            "temperature": self.cfg.temperature if temperature is None else temperature,
-            "top_p": self.cfg.top_p if top_p is None else top_p,
-            "logprobs": True,
-            **extra,
-        }
-        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
-            payload.setdefault("return_token_ids", True)
-        elif self.min_version > 0:
-            payload["min_weight_version"] = self.min_version
-        completions = await self.pool.chat(payload)
+        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        payload.update(messages=messages, logprobs=True)
+        return self._check_n(await self.pool.chat(payload), n)
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        **extra: Any,
+    ) -> list[Completion]:
+        """Continue from token ids (POST /v1/completions with `prompt` a list of ids): the server reads them as
+        given, so a multi-turn episode is never re-tokenised. `prompt_ids` of each Completion echo them."""
+        if self.model is None:
+            self.model = await self.pool.model_name()
+        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        payload.update(prompt=list(prompt_ids), logprobs=0)
+        return self._check_n(await self.pool.complete(payload), n)
+
+    @staticmethod
+    def _check_n(completions: list[Completion], n: int) -> list[Completion]:
         if len(completions) != n:
             raise RuntimeError(f"asked for n={n} choices, the server returned {len(completions)}")
         return completions
