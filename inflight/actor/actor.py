@@ -288,7 +288,8 @@ class Actor:
     # ------------------------------------------------------------------------------------------------ reporting
     async def _evaluate(self, base: bool = False) -> None:
         try:
-            res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model)
+            res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model,
+                                 episode=getattr(self.rollout, "episode", None))
         except Exception as exc:
             log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
             return

@@ -47,6 +47,10 @@ class EpisodeConfig:
     max_tokens: int = 0  # completion tokens per episode (model + environment); 0 = max_turns * max_new_tokens * 2
     env_timeout_s: float = 10.0  # per reset / step call
 
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 0 or not self.env_timeout_s > 0:
+            raise ValueError("episodes need task.max_turns >= 1, task.max_episode_tokens >= 0, task.env_timeout_s > 0")
+
 
 class EnvFailed(RuntimeError):
     """An environment call raised or timed out."""
@@ -165,8 +169,11 @@ def episode_rollout(make_env: Callable[[TaskSample], Environment], render: TurnR
     """A rollout (actor/rollout.py) that runs the group's G episodes concurrently, a fresh environment each."""
     ecfg = ecfg or EpisodeConfig()
 
-    async def rollout(ts: TaskSample, client: RolloutClient, cfg: ActorConfig) -> list[Sample]:
-        return list(await asyncio.gather(*(run_episode(ts, make_env(ts), client, render, ecfg)
-                                           for _ in range(cfg.group_size))))
+    async def one(ts: TaskSample, client: RolloutClient) -> Sample:
+        return await run_episode(ts, make_env(ts), client, render, ecfg)
 
+    async def rollout(ts: TaskSample, client: RolloutClient, cfg: ActorConfig) -> list[Sample]:
+        return list(await asyncio.gather(*(one(ts, client) for _ in range(cfg.group_size))))
+
+    rollout.episode = one  # type: ignore[attr-defined]  # one episode: what held-out evaluation runs
     return rollout

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inflight.actor import ActorConfig, ServerPool
+from inflight.actor import ActorConfig, ServerPool, evaluate
 from inflight.actor.episode import EpisodeConfig, episode_rollout, run_episode
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.run import open_actor
@@ -228,9 +228,14 @@ def test_arith_tool_task_through_the_actor(server, tiny_model_dir):
 
     async def main():
         async with open_actor(run_cfg, [server.url], stream, rewards=NoScoring()) as actor:
-            return await actor.generate_round(2), actor.metrics.snapshot()
+            groups = await actor.generate_round(2)
+            res = await evaluate(actor.task, actor.pool, actor.cfg, rewards=NoScoring(),
+                                 episode=actor.rollout.episode)
+            return groups, actor.metrics.snapshot(), res
 
-    groups, snap = asyncio.run(main())
+    groups, snap, res = asyncio.run(main())
+    assert res["num_problems"] == 4 and res["num_failed"] == 0 and "tool_calls_mean" in res
+    assert sum(res["labels"].values()) == 4 and res["version_min"] == res["version_max"] == 0
     assert len(groups) == 2 and all(len(g) == 2 for g in groups)
     for s in (s for g in groups for s in g):
         assert s.loss_mask is not None and len(s.loss_mask) == len(s.completion_ids) and s.meta["turns"] >= 1
