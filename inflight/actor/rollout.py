@@ -6,23 +6,20 @@ A rollout turns one prompt into the samples of one group:
 
 The actor then scores the samples (reward service), gives them a group id and sends the group to the trainer. The
 rule a rollout must keep: token ids, behaviour logprobs and versions are taken exactly as the server returned them
-(never re-tokenise text), and `Sample.meta["text"]` holds the text the verifier should read.
+(never re-tokenise text), and `Sample.meta["text"]` holds the text the verifier should read. A sample that comes
+back with its `label` set was scored by the rollout itself (an episode's environment) and skips the reward service.
 
-A multi-turn rollout (e.g. a tool call between turns) only uses `client.chat`; every turn's generated tokens are
-trained, the tool's output and the re-sent prompt are not (they are the next turn's prompt):
+Multi-turn tasks (tools, user turns) do not write a rollout: they give an `Environment` (contracts.py) per
+episode, and actor/episode.py runs it as one Sample per episode, the model's tokens exactly as sampled and the
+environment's turns rendered once and masked out of the loss. A rollout that drives turns itself keeps the same
+rule: continue with `client.complete(prompt_ids + episode_ids)` (token ids, POST /v1/completions), never by
+re-sending the conversation as chat messages, which re-renders what the model wrote:
 
     async def two_turn_rollout(ts, client, cfg):
-        samples = []
-        for _ in range(cfg.group_size):
-            first = (await client.chat(ts.messages, n=1))[0]
-            tool_out = run_calculator(first.text)                      # your tool
-            messages = ts.messages + [{"role": "assistant", "content": first.text},
-                                      {"role": "user", "content": tool_out}]
-            second = (await client.chat(messages, n=1))[0]
-            # one Sample per turn, the reward of the final answer applies to both (score on second.text)
-            for c in (first, second):
-                samples.append(client.to_sample(ts, c, text=second.text))
-        return samples
+        first = (await client.chat(ts.messages, n=1))[0]
+        tool = render.delta(first.token_ids, [{"role": "tool", "content": calculator(first.text)}])  # TurnRenderer
+        second = (await client.complete(first.prompt_ids + first.token_ids + tool, n=1))[0]
+        ...  # one Sample: completion = first.token_ids + tool + second.token_ids, loss_mask 1.. 0.. 1..
 """
 
 from __future__ import annotations
