@@ -21,7 +21,8 @@ Reward: the sum of the step rewards the environment gave (an outcome reward with
 ones, listed in meta["turn_rewards"]); the sample comes back with its label set, so the actor does not send it
 to the reward service. An environment call that raises or runs past `env_timeout_s` ends the episode as failed
 (reward 0, label `error`, meta["env_error"]); the episode's tokens so far are still a valid sample. An episode
-that runs out of turns or tokens without `done` is `truncated` (reward 0).
+that runs out of turns, tokens (`max_tokens`) or the server's context without `done` is `truncated` (reward 0,
+finish_reason "length", so `algo.truncated: mask` leaves it out of the loss).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any, Callable
 
 from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient, RolloutFn
-from inflight.actor.turns import TurnRenderer
+from inflight.actor.server_pool import BadRequest
+from inflight.actor.turns import TemplateError, TurnRenderer
 from inflight.contracts import Environment, Sample, StepResult, TaskSample
 
 log = logging.getLogger(__name__)
@@ -151,8 +153,13 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
             vers += [-1] * len(env_ids)
             mask += [0] * len(env_ids)
             meta["env_tokens"] += len(env_ids)
-            c = (await client.complete(prompt_ids + ids, n=1, max_tokens=min(per_turn, left)))[0]
-    except EnvFailed as exc:
+            try:
+                c = (await client.complete(prompt_ids + ids, n=1, max_tokens=min(per_turn, left)))[0]
+            except BadRequest as exc:  # the episode outgrew the server's context: it ends cut off
+                if "context_length_exceeded" not in str(exc):
+                    raise
+                break
+    except (EnvFailed, TemplateError) as exc:  # TemplateError: the environment's messages cannot be rendered
         log.warning("episode of %s failed: %s", ts.id, exc)
         label, rewards, meta["env_error"] = "error", [], str(exc)
         if not prompt_ids:  # reset failed: no tokens at all; the group fails (there is nothing to train)

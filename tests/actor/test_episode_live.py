@@ -179,13 +179,18 @@ class AsyncHanging(Hanging):
         await asyncio.sleep(30)
 
 
-@pytest.mark.parametrize("env", [Hanging("hang"), Hanging("crash"), AsyncHanging("hang")])
+class BadMessages(Hanging):
+    def step(self, reply):
+        return StepResult([{"role": "tool", "content": None}])
+
+
+@pytest.mark.parametrize("env", [Hanging("hang"), Hanging("crash"), AsyncHanging("hang"), BadMessages("bad")])
 def test_hanging_or_crashing_tool_fails_the_episode_only(server, env):
     t0 = time.monotonic()
     s, _ = episode(server, env, EpisodeConfig(max_turns=4, env_timeout_s=1.0))
     assert time.monotonic() - t0 < 15
     assert s.label == "error" and s.reward == 0.0 and s.meta["turns"] == 1
-    assert ("timed out" if env.how == "hang" else "tool crashed") in s.meta["env_error"]
+    assert {"hang": "timed out", "crash": "tool crashed", "bad": "must be"}[env.how] in s.meta["env_error"]
     assert len(s.completion_ids) == sum(s.loss_mask) > 0  # the first turn's tokens are still a valid sample
 
 
@@ -211,6 +216,17 @@ def test_turn_and_token_limits_truncate(server):
     assert s.meta["turns"] == 2 and s.label == "truncated" and s.reward == 0.0 and s.finish_reason == "length"
     s, _ = episode(server, Scripted(), EpisodeConfig(max_turns=4, max_tokens=20))
     assert s.label == "truncated" and len(s.completion_ids) <= 20
+    # the server's context (512) ends an episode that outgrows it, without failing it
+    class NoEos(RolloutClient):  # every turn runs to max_new_tokens
+        async def chat(self, *a, **kw):
+            return await super().chat(*a, ignore_eos=True, **kw)
+
+        async def complete(self, *a, **kw):
+            return await super().complete(*a, ignore_eos=True, **kw)
+
+    s, _ = episode(server, Scripted(), EpisodeConfig(max_turns=4, max_tokens=5000), client_cls=NoEos,
+                   max_new_tokens=400)
+    assert s.label == "truncated" and s.meta["turns"] == 1 and sum(s.loss_mask) == 400
 
 
 def test_arith_tool_task_through_the_actor(server, tiny_model_dir):
