@@ -231,14 +231,25 @@ class Sample:
     finish_reason: str = "stop"
     task_id: str = ""  # id of the TaskSample it answers
     meta: dict[str, Any] = field(default_factory=dict)
+    # per completion token: 1 = sampled by the model (trained), 0 = inserted by an environment (tool output, user
+    # turn: never trained; its logprob and version are placeholders, 0.0 and -1). None = every token is the model's.
+    loss_mask: list[int] | None = None
+
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens the model sampled (an environment's tokens left out)."""
+        if self.loss_mask is None:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
 
     @property
     def first_version(self) -> int:
-        return self.versions[0] if self.versions else -1
+        v = self.model_versions()
+        return v[0] if v else -1
 
     @property
     def last_version(self) -> int:
-        return self.versions[-1] if self.versions else -1
+        v = self.model_versions()
+        return v[-1] if v else -1
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -353,6 +364,44 @@ class Task(Protocol):
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
         """Score a completion; a `length` finish without an answer is `truncated`."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Environments: multi-turn episodes (tools, user turns)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one model reply: the messages that follow it (tool output, the next user
+    turn; OpenAI style), a reward for this step (None: none), whether the episode is over, and any metrics (e.g.
+    {"tool_calls": 1}), summed over the episode into the sample's meta."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode of a multi-turn task; a fresh instance per episode (the actor runs G of them per prompt).
+    Methods may be plain or async; plain ones run in a worker thread. Every call is bounded by a timeout: an
+    environment that hangs or raises ends its episode as failed (reward 0, label `error`), never the actor.
+
+    The episode's reward is the sum of the step rewards given (typically one outcome reward with done=True)."""
+
+    def reset(self, sample: TaskSample) -> list[dict[str, str]]:
+        """The first messages (the prompt the model answers first)."""
+
+    def step(self, reply: str) -> StepResult:
+        """The model's reply (its text) -> what follows it."""
+
+
+@runtime_checkable
+class EnvTask(Task, Protocol):
+    """A task whose samples are multi-turn episodes: the actor runs `make_env(sample)` for each episode."""
+
+    def make_env(self, sample: TaskSample) -> Environment: ...
 
 
 # --------------------------------------------------------------------------------------------------------------

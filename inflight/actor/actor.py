@@ -1,7 +1,8 @@
 """The actor: turns prompts into scored groups as fast as the servers allow, never further ahead of the trainer than
 the staleness bound.
 
-One coroutine per group (rollout -> reward service -> completed list). A scheduler loop starts groups while
+One coroutine per group (rollout -> reward service -> completed list; samples the rollout labelled itself, the
+episodes of a multi-turn environment (actor/episode.py), skip the reward service). A scheduler loop starts groups while
 
     groups_started < (trainer_version + max_lag + 1) * groups_per_step        (AReaL's rule; max_lag=0: on-policy)
 
@@ -56,7 +57,15 @@ class ActorMetrics:
     samples_completed: int = 0
     tokens_generated: int = 0
     max_in_flight: int = 0
+    episodes: int = 0  # multi-turn episodes (samples with meta["turns"])
+    episode_sums: dict[str, float] = field(default_factory=dict)  # turns, env tokens, env metrics (tool_calls)
     t0: float = field(default_factory=time.monotonic)
+
+    def count_episode(self, meta: dict[str, Any]) -> None:
+        self.episodes += 1
+        for k in ("turns", "env_tokens", "tool_calls", "tool_errors"):
+            if isinstance(meta.get(k), (int, float)):
+                self.episode_sums[k] = self.episode_sums.get(k, 0.0) + float(meta[k])
 
     @property
     def in_flight(self) -> int:
@@ -75,6 +84,7 @@ class ActorMetrics:
             "actor/samples_per_s": self.samples_completed / dt,
             "actor/tokens_per_s": self.tokens_generated / dt,
             "actor/elapsed_s": dt,
+            **{f"actor/episode_{k}_mean": v / max(1, self.episodes) for k, v in self.episode_sums.items()},
         }
 
 
@@ -136,15 +146,17 @@ class Actor:
             samples = await self.rollout(ts, self.client.for_group(self.oldest_version(index)), self.cfg)
             if not samples:
                 raise RuntimeError("the rollout returned no samples")
+            todo = [s for s in samples if not s.label]  # a labelled sample was scored by its rollout (episodes)
             items = [
                 (s.meta.get("text", ""), ts, s.finish_reason, len(s.completion_ids), self.cfg.max_new_tokens)
-                for s in samples
+                for s in todo
             ]
-            verdicts = await self.rewards.score(items)
-            for s, v in zip(samples, verdicts, strict=True):
-                s.group_id = f"g{index}"
+            verdicts = await self.rewards.score(items) if items else []
+            for s, v in zip(todo, verdicts, strict=True):
                 s.reward = float(v.reward)
                 s.label = getattr(v.label, "value", str(v.label))
+            for s in samples:
+                s.group_id = f"g{index}"
                 s.meta.update(group_index=index, start_version=start_version)
             self._done.append((index, samples))
             self._failed_in_a_row = 0
@@ -187,7 +199,10 @@ class Actor:
             await asyncio.to_thread(self.stream.put, groups)
         self.metrics.groups_completed += len(groups)
         self.metrics.samples_completed += sum(len(g) for g in groups)
-        self.metrics.tokens_generated += sum(len(s.completion_ids) for g in groups for s in g)
+        self.metrics.tokens_generated += sum(len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask)
+                                             for g in groups for s in g)  # the model's tokens, not an env's
+        for s in (s for g in groups for s in g if "turns" in s.meta):
+            self.metrics.count_episode(s.meta)
 
     # ------------------------------------------------------------------------------------------------ main loop
     def _limit_reached(self) -> bool:
@@ -273,7 +288,8 @@ class Actor:
     # ------------------------------------------------------------------------------------------------ reporting
     async def _evaluate(self, base: bool = False) -> None:
         try:
-            res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model)
+            res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model,
+                                 episode=getattr(self.rollout, "episode", None))
         except Exception as exc:
             log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
             return

@@ -1,6 +1,7 @@
 """Read generated tokens out of a chat-completion response, whatever server produced it.
 
-Each server family puts the sampled token ids, their logprobs and the weight versions in slightly different places;
+Chat completions and text completions (/v1/completions, a prompt of token ids: how a multi-turn episode continues)
+parse alike. Each server family puts the sampled token ids, their logprobs and the weight versions in slightly different places;
 an adapter turns one response into a list of `Completion`s (one per choice), exactly as the server returned them.
 To support another server, write `parse_x(response_json) -> list[Completion]` and add it to `ADAPTERS`.
 """
@@ -26,10 +27,19 @@ class Completion:
 
 
 def _logprobs(choice: dict[str, Any]) -> list[float]:
-    content = (choice.get("logprobs") or {}).get("content")
-    if content is None:
-        raise ResponseError("choice has no logprobs.content (send logprobs=true)")
-    return [float(c["logprob"]) for c in content]
+    lp = choice.get("logprobs") or {}
+    if lp.get("content") is None and lp.get("token_logprobs") is not None:  # a text completion (/v1/completions)
+        return [float(x) for x in lp["token_logprobs"]]
+    if lp.get("content") is None:
+        raise ResponseError("choice has no logprobs.content (send logprobs=true; /v1/completions: logprobs=0)")
+    return [float(c["logprob"]) for c in lp["content"]]
+
+
+def _text(choice: dict[str, Any]) -> str:
+    """The choice's text: message.content of a chat completion, text of a text completion."""
+    if "message" in choice:
+        return (choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 def _check(c: Completion) -> Completion:
@@ -51,7 +61,7 @@ def parse_builtin(resp: dict[str, Any]) -> list[Completion]:
         out.append(
             _check(
                 Completion(
-                    text=(ch.get("message") or {}).get("content") or "",
+                    text=_text(ch),
                     prompt_ids=[int(t) for t in ch["prompt_token_ids"]],
                     token_ids=[int(t) for t in ch["token_ids"]],
                     logprobs=_logprobs(ch),
@@ -82,7 +92,7 @@ def parse_vllm(resp: dict[str, Any]) -> list[Completion]:
         out.append(
             _check(
                 Completion(
-                    text=(ch.get("message") or {}).get("content") or "",
+                    text=_text(ch),
                     prompt_ids=[int(t) for t in p],
                     token_ids=[int(t) for t in ids],
                     logprobs=_logprobs(ch),

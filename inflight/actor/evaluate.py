@@ -1,20 +1,23 @@
 """Held-out evaluation through the same inference servers: one sample per problem (greedy by default), pass@1 and
 mean reward, tagged with the weight version(s) whose tokens were scored, with the replies' lengths and the first
 few replies as text (the report shows them). Only a finished reply counts as correct: one the length limit cut off
-is `truncated` here whatever its text, in every `algo.truncated` mode."""
+is `truncated` here whatever its text, in every `algo.truncated` mode. A multi-turn task evaluates whole episodes
+(`episode`, actor/episode.py), scored by their environment, and reports the mean tool calls per episode."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+from inflight.actor.adapters import Completion
 from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.server_pool import ServerPool
 from inflight.algo.truncation import is_truncated
-from inflight.contracts import Task, TaskSample, Verdict, Verification
+from inflight.contracts import Sample, Task, TaskSample, Verdict, Verification
 
 
 async def _verify_all(task: Task, items: list[tuple[str, TaskSample, str, int, int]]) -> list[Verification]:
@@ -30,6 +33,7 @@ async def evaluate(
     rewards: Any = None,  # a RewardService (async score); None = task.verify in a thread
     model: str | None = None,  # None = the name the servers report
     limit: int = 0,  # 0 = the whole held-out split
+    episode: Callable[[TaskSample, RolloutClient], Awaitable[Sample]] | None = None,  # multi-turn tasks
 ) -> dict[str, Any]:
     """Returns {"pass@1", "mean_reward", "num_problems", "num_failed", "labels", "version_min", "version_max",
     "completion_len_mean", "completion_len_max", "truncated_frac", "replies", "seconds"}; version_min/max span the
@@ -47,17 +51,36 @@ async def evaluate(
     extra = {"priority": cfg.eval_priority} if cfg.adapter == "builtin" and cfg.eval_priority else {}
     t0 = time.monotonic()
 
-    async def one(ts: TaskSample):
+    async def one(ts: TaskSample) -> Completion | None:
         try:
             return (await client.chat(ts.messages, n=1, max_tokens=max_tokens, temperature=cfg.eval_temperature,
                                       **extra))[0]
         except Exception:
             return None
 
+    if episode is not None:  # a multi-turn task: each problem is one episode, scored by its environment
+        eclient = RolloutClient(pool, dataclasses.replace(cfg, temperature=cfg.eval_temperature,
+                                                          max_new_tokens=max_tokens), model)
+        episodes: dict[str, Sample] = {}
+
+        async def one(ts: TaskSample) -> Completion | None:  # noqa: F811 - the episode variant
+            try:
+                s = episodes[ts.id] = await episode(ts, eclient)
+            except Exception:
+                return None
+            mask = s.loss_mask or [1] * len(s.completion_ids)  # the model's tokens only
+            pick = [j for j, m in enumerate(mask) if m]
+            return Completion(s.meta.get("text", ""), s.prompt_ids, [s.completion_ids[j] for j in pick],
+                              [s.logprobs[j] for j in pick], [s.versions[j] for j in pick], s.finish_reason)
+
     outs = await asyncio.gather(*(one(ts) for ts in problems))
     ok = [(c, ts) for c, ts in zip(outs, problems) if c is not None]
-    items = [(c.text, ts, c.finish_reason, len(c.token_ids), max_tokens) for c, ts in ok]
-    verdicts = await (rewards.score(items) if rewards is not None else _verify_all(task, items)) if items else []
+    if episode is not None:
+        verdicts = [Verification(episodes[ts.id].reward, Verdict(episodes[ts.id].label)) for _, ts in ok]
+        tool_calls = [float(episodes[ts.id].meta.get("tool_calls", 0.0)) for _, ts in ok]
+    else:
+        items = [(c.text, ts, c.finish_reason, len(c.token_ids), max_tokens) for c, ts in ok]
+        verdicts = await (rewards.score(items) if rewards is not None else _verify_all(task, items)) if items else []
     # finished replies only: a cut-off one is never correct here, whatever the training's truncation mode
     names = [Verdict.truncated.value if is_truncated(c.finish_reason) else getattr(v.label, "value", str(v.label))
              for (c, _), v in zip(ok, verdicts)]
@@ -80,4 +103,5 @@ async def evaluate(
                      "tokens": len(c.token_ids), "label": label}
                     for (c, ts), label in list(zip(ok, names))[: cfg.eval_samples]],
         "seconds": time.monotonic() - t0,
+        **({"tool_calls_mean": sum(tool_calls) / max(1, len(tool_calls))} if episode is not None else {}),
     }

@@ -6,23 +6,20 @@ A rollout turns one prompt into the samples of one group:
 
 The actor then scores the samples (reward service), gives them a group id and sends the group to the trainer. The
 rule a rollout must keep: token ids, behaviour logprobs and versions are taken exactly as the server returned them
-(never re-tokenise text), and `Sample.meta["text"]` holds the text the verifier should read.
+(never re-tokenise text), and `Sample.meta["text"]` holds the text the verifier should read. A sample that comes
+back with its `label` set was scored by the rollout itself (an episode's environment) and skips the reward service.
 
-A multi-turn rollout (e.g. a tool call between turns) only uses `client.chat`; every turn's generated tokens are
-trained, the tool's output and the re-sent prompt are not (they are the next turn's prompt):
+Multi-turn tasks (tools, user turns) do not write a rollout: they give an `Environment` (contracts.py) per
+episode, and actor/episode.py runs it as one Sample per episode, the model's tokens exactly as sampled and the
+environment's turns rendered once and masked out of the loss. A rollout that drives turns itself keeps the same
+rule: continue with `client.complete(prompt_ids + episode_ids)` (token ids, POST /v1/completions), never by
+re-sending the conversation as chat messages, which re-renders what the model wrote:
 
     async def two_turn_rollout(ts, client, cfg):
-        samples = []
-        for _ in range(cfg.group_size):
-            first = (await client.chat(ts.messages, n=1))[0]
-            tool_out = run_calculator(first.text)                      # your tool
-            messages = ts.messages + [{"role": "assistant", "content": first.text},
-                                      {"role": "user", "content": tool_out}]
-            second = (await client.chat(messages, n=1))[0]
-            # one Sample per turn, the reward of the final answer applies to both (score on second.text)
-            for c in (first, second):
-                samples.append(client.to_sample(ts, c, text=second.text))
-        return samples
+        first = (await client.chat(ts.messages, n=1))[0]
+        tool = render.delta(first.token_ids, [{"role": "tool", "content": calculator(first.text)}])  # TurnRenderer
+        second = (await client.complete(first.prompt_ids + first.token_ids + tool, n=1))[0]
+        ...  # one Sample: completion = first.token_ids + tool + second.token_ids, loss_mask 1.. 0.. 1..
 """
 
 from __future__ import annotations
@@ -50,6 +47,22 @@ class RolloutClient:
     def for_group(self, min_version: int) -> "RolloutClient":
         return RolloutClient(self.pool, self.cfg, self.model, min_version)
 
+    def _payload(self, n: int, max_tokens: int | None, temperature: float | None, top_p: float | None,
+                 extra: dict[str, Any]) -> dict[str, Any]:
+        payload = {
+            "model": self.model,
+            "n": n,
+            "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
+            "temperature": self.cfg.temperature if temperature is None else temperature,
+            "top_p": self.cfg.top_p if top_p is None else top_p,
+            **extra,
+        }
+        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
+            payload.setdefault("return_token_ids", True)
+        elif self.min_version > 0:
+            payload["min_weight_version"] = self.min_version
+        return payload
+
     async def chat(
         self,
         messages: list[dict[str, str]],
@@ -62,21 +75,30 @@ class RolloutClient:
     ) -> list[Completion]:
         if self.model is None:
             self.model = await self.pool.model_name()
-        payload = {
-            "model": self.model,
-            "messages": messages,
-            "n": n,
-            "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
-            "temperature": self.cfg.temperature if temperature is None else temperature,
-            "top_p": self.cfg.top_p if top_p is None else top_p,
-            "logprobs": True,
-            **extra,
-        }
-        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
-            payload.setdefault("return_token_ids", True)
-        elif self.min_version > 0:
-            payload["min_weight_version"] = self.min_version
-        completions = await self.pool.chat(payload)
+        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        payload.update(messages=messages, logprobs=True)
+        return self._check_n(await self.pool.chat(payload), n)
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        **extra: Any,
+    ) -> list[Completion]:
+        """Continue from token ids (POST /v1/completions with `prompt` a list of ids): the server reads them as
+        given, so a multi-turn episode is never re-tokenised. `prompt_ids` of each Completion echo them."""
+        if self.model is None:
+            self.model = await self.pool.model_name()
+        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        payload.update(prompt=list(prompt_ids), logprobs=0)
+        return self._check_n(await self.pool.complete(payload), n)
+
+    @staticmethod
+    def _check_n(completions: list[Completion], n: int) -> list[Completion]:
         if len(completions) != n:
             raise RuntimeError(f"asked for n={n} choices, the server returned {len(completions)}")
         return completions

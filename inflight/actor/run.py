@@ -57,6 +57,20 @@ async def _close(obj: Any) -> None:
             return
 
 
+def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
+    """The episode rollout of an environment task, rendering the environment's turns with the model's chat
+    template (the tokenizer of model.path)."""
+    from transformers import AutoTokenizer
+
+    from inflight.actor.episode import EpisodeConfig, episode_rollout
+    from inflight.actor.turns import TurnRenderer
+
+    t = run_cfg.task
+    render = TurnRenderer(AutoTokenizer.from_pretrained(run_cfg.model.path))
+    return episode_rollout(task.make_env, render, EpisodeConfig(
+        max_turns=t.max_turns, max_tokens=t.max_episode_tokens, env_timeout_s=t.env_timeout_s))
+
+
 @asynccontextmanager
 async def open_actor(
     run_cfg: Any,
@@ -83,7 +97,10 @@ async def open_actor(
         await asyncio.to_thread(rewards.start)
     try:
         r = resume or {}
-        yield Actor(a, get_task(run_cfg.task), pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
+        task = get_task(run_cfg.task)
+        if rollout is default_rollout and hasattr(task, "make_env"):  # a multi-turn task: one sample per episode
+            rollout = await asyncio.to_thread(env_rollout, run_cfg, task)
+        yield Actor(a, task, pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
                     max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,
                     first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])),
                     min_version=int(r.get("version", -1)))

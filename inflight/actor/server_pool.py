@@ -193,6 +193,10 @@ class ServerPool:
         """One /v1/chat/completions request; the choices as `Completion`s (tokens exactly as the server sent)."""
         return self.parse(await self.post("/v1/chat/completions", payload))
 
+    async def complete(self, payload: dict[str, Any]) -> list[Completion]:
+        """One /v1/completions request (e.g. a prompt of token ids); the choices as `Completion`s."""
+        return self.parse(await self.post("/v1/completions", payload))
+
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {"pool/in_flight": self.in_flight, "pool/healthy": self.num_healthy}
         for i, s in enumerate(self.servers):

@@ -258,8 +258,11 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
 
 def lag_stats(samples: list, weights_version: int) -> dict:
     """min / mean / max / histogram of weights_version − the version of every trained completion token (a sample
-    without a prompt does not train its first token), over `samples` (contracts.Sample); zeros when none."""
-    lags = [weights_version - v for s in samples for v in s.versions[(0 if s.prompt_ids else 1):]]
+    without a prompt does not train its first token, an environment's tokens are not trained), over `samples` (contracts.Sample); zeros when none."""
+    lags = []
+    for s in samples:
+        mask = s.loss_mask or [1] * len(s.versions)  # an environment's tokens (mask 0) have no version
+        lags += [weights_version - v for v, m in list(zip(s.versions, mask))[(0 if s.prompt_ids else 1):] if m]
     return {"lag_min": min(lags, default=0), "lag_max": max(lags, default=0),
             "lag_mean": sum(lags) / max(1, len(lags)), "lag_tokens": len(lags),
             "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))}}

@@ -414,6 +414,8 @@ def prometheus_text(stats: dict[str, Any], updates: int, rejected: int = 0) -> s
         ("inflight_paused_seconds_total", "counter", "seconds generation was paused for weight updates",
          stats.get("paused_seconds_total", 0.0)),
         ("inflight_engine_steps_total", "counter", "engine steps", stats.get("steps", 0)),
+        ("inflight_prefill_tokens_total", "counter", "prompt tokens run through the model (prefill, re-prefill)",
+         stats.get("prefill_tokens_total", 0)),
         ("inflight_weight_updates_total", "counter", "weight updates applied", updates),
         ("inflight_rejected_requests_total", "counter", "requests refused with 429 (queue limit)", rejected),
     ]

@@ -70,7 +70,7 @@ class StepData:
 def version_mix(samples: list[Sample]) -> dict[str, Any]:
     """Samples whose completion tokens come from more than one weight version (in-flight updates), and the
     trainer version each group was started at (the actor's staleness bound acts on it)."""
-    mixed = sum(1 for s in samples if len(set(s.versions)) > 1)
+    mixed = sum(1 for s in samples if len(set(s.model_versions())) > 1)
     starts = [s.meta.get("start_version") for s in samples if s.meta.get("start_version") is not None]
     return {"mixed_version_samples": float(mixed), "mixed_version_frac": mixed / max(1, len(samples)),
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}

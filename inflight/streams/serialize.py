@@ -1,6 +1,7 @@
 """Groups of samples <-> bytes, with msgpack (never pickle: stream bytes may come over the network).
 
-Numeric lists travel as little-endian binary arrays: token ids and versions as int64, logprobs as float64, so a
+Numeric lists travel as little-endian binary arrays: token ids and versions as int64, logprobs as float64 (a loss
+mask, when the sample has one, as bytes of 0/1; no key when it has none), so a
 Python float (a C double) round-trips bit-exactly and decoding is one memcpy instead of a per-element parse.
 `meta` must hold msgpack types only (None, bool, int, float, str, bytes, list, dict with str keys).
 """
@@ -51,6 +52,7 @@ def _sample_to_dict(s: Sample) -> dict[str, Any]:
         "f": s.finish_reason,
         "t": s.task_id,
         "m": s.meta,
+        **({} if s.loss_mask is None else {"k": bytes(1 if m else 0 for m in s.loss_mask)}),
     }
 
 
@@ -62,6 +64,9 @@ def _sample_from_dict(d: dict[str, Any]) -> Sample:
         raise SerializationError("a sample must be a map with text fields g, lb, f, t")
     if not isinstance(d["r"], float) or not isinstance(d["m"], dict):
         raise SerializationError("a sample's reward must be a float and its meta a map")
+    mask = d.get("k")
+    if mask is not None and (not isinstance(mask, bytes) or any(b > 1 for b in mask)):
+        raise SerializationError("a sample's loss mask must be bytes of 0 and 1")
     return Sample(
         group_id=d["g"],
         prompt_ids=_unpack_array("q", d["p"]),
@@ -73,6 +78,7 @@ def _sample_from_dict(d: dict[str, Any]) -> Sample:
         finish_reason=d["f"],
         task_id=d["t"],
         meta=d["m"],
+        loss_mask=None if mask is None else list(mask),
     )
 
 

@@ -1,11 +1,12 @@
-"""Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | math_jsonl | reasoning_gym)."""
+"""Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | arith_tool | math_jsonl |
+reasoning_gym). A task with `make_env` (contracts.EnvTask, e.g. arith_tool) runs multi-turn episodes."""
 
 from __future__ import annotations
 
 from inflight.contracts import Task
 from inflight.tasks.config import TaskConfig
 
-TASKS = ("arith", "math_jsonl", "reasoning_gym")
+TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym")
 
 
 def get_task(cfg: TaskConfig) -> Task:
@@ -14,6 +15,10 @@ def get_task(cfg: TaskConfig) -> Task:
         from inflight.tasks.arith import ArithTask
 
         return ArithTask(cfg)
+    if cfg.name == "arith_tool":
+        from inflight.tasks.arith_tool import ArithToolTask
+
+        return ArithToolTask(cfg)
     if cfg.name == "math_jsonl":
         from inflight.tasks.math_jsonl import MathJsonlTask
 

@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TaskConfig:
-    name: str = "arith"  # arith | math_jsonl | reasoning_gym
+    name: str = "arith"  # arith | arith_tool | math_jsonl | reasoning_gym
     seed: int = 0
     eval_size: int = 200
     # arith
@@ -23,3 +23,8 @@ class TaskConfig:
     # reasoning_gym
     dataset: str = ""  # a reasoning-gym dataset name, e.g. "basic_arithmetic"
     system_prompt: str = ""  # every task: a system message before the question ("" = none: the chat template's default)
+    # multi-turn tasks (arith_tool): one sample per episode (inflight/actor/episode.py)
+    max_turns: int = 4  # model turns per episode
+    max_episode_tokens: int = 0  # completion tokens per episode, model + environment; 0 = 2 * max_turns * max_new_tokens
+    env_timeout_s: float = 10.0  # an environment call (reset, step: a tool) slower than this fails the episode
+    tool_role: str = "tool"  # arith_tool: the role of the calculator's turn (a template without one: "user")

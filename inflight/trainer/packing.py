@@ -6,7 +6,9 @@ varlen flash attention), and positions restart at 0 for every sample.
 
 Per-token layout (see contracts.TrainBatch): index t describes the prediction of input_ids[t] from the tokens
 before it in the same sample. So the first token of every sample is never trained (nothing predicts it), and
-completion token j of a sample with prompt length P sits at index P + j with its behaviour logprob mu_j.
+completion token j of a sample with prompt length P sits at index P + j with its behaviour logprob mu_j. The
+tokens of a multi-turn episode that an environment inserted (Sample.loss_mask 0) sit in the row as context, with
+loss_mask 0.
 
 `pad_samples` is the plain padded collation, used only by bench/trainer.py for comparison.
 """
@@ -41,10 +43,19 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def completion_mask(s: Sample) -> list[int]:
+    """1 per completion token the model sampled, 0 per environment token (Sample.loss_mask; None = all 1)."""
+    return [1] * len(s.completion_ids) if s.loss_mask is None else [1 if m else 0 for m in s.loss_mask]
+
+
 def count_loss_tokens(samples: list[Sample]) -> int:
-    """Trained tokens of these samples (what `num_tokens_in_step` counts): completion tokens, minus a sample's
-    first token when its prompt is empty."""
-    return sum(len(s.completion_ids) - (1 if not s.prompt_ids and s.completion_ids else 0) for s in samples)
+    """Trained tokens of these samples (what `num_tokens_in_step` counts): the model's completion tokens (not an
+    environment's), minus a sample's first token when its prompt is empty."""
+    n = 0
+    for s in samples:
+        m = completion_mask(s)
+        n += sum(m) - (m[0] if not s.prompt_ids and m else 0)
+    return n
 
 
 def _check(sample: Sample, with_versions: bool) -> None:
@@ -57,6 +68,9 @@ def _check(sample: Sample, with_versions: bool) -> None:
                 f"sample of group {sample.group_id!r}: {n} completion tokens but {len(sample.logprobs)} logprobs "
                 f"and {len(sample.versions)} versions (pass with_versions=False for samples without them)"
             )
+    if sample.loss_mask is not None and len(sample.loss_mask) != len(sample.completion_ids):
+        raise ValueError(f"sample of group {sample.group_id!r}: {len(sample.completion_ids)} completion tokens but "
+                         f"{len(sample.loss_mask)} loss_mask entries")
 
 
 def collate(
@@ -79,7 +93,8 @@ def collate(
         n = p + c
         ids += s.prompt_ids + s.completion_ids
         pos += range(n)
-        m = [0.0] * p + [1.0 if trained is None or trained[k] else 0.0] * c
+        on = 1.0 if trained is None or trained[k] else 0.0
+        m = [0.0] * p + [on * x for x in completion_mask(s)]  # an environment's tokens are never trained
         m[0] = 0.0  # nothing in this sample predicts its first token
         mask += m
         adv += [0.0] * p + [float(a)] * c

@@ -57,3 +57,16 @@ def test_bad_meta_is_a_clear_error():
 def test_malformed_bytes_rejected(blob):
     with pytest.raises(SerializationError):
         decode_group(blob)
+
+
+def test_loss_mask_round_trips_and_is_checked():
+    s = Sample(group_id="g", prompt_ids=[1], completion_ids=[2, 3, 4], logprobs=[-1.0, 0.0, -2.0],
+               versions=[0, -1, 1], loss_mask=[1, 0, 1])
+    (back,) = decode_group(encode_group([s]))
+    assert back.loss_mask == [1, 0, 1] and back.versions == [0, -1, 1]
+    (plain,) = decode_group(encode_group([Sample("g", [1], [2], [-1.0], [0])]))
+    assert plain.loss_mask is None
+    fmt, (d,) = msgpack.unpackb(encode_group([s]), raw=False)
+    for bad in (bytes([1, 7, 1]), [1, 0, 1]):
+        with pytest.raises(SerializationError, match="loss mask"):
+            decode_group(msgpack.packb([fmt, [{**d, "k": bad}]], use_bin_type=True))

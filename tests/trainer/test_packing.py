@@ -61,3 +61,22 @@ def test_pad_samples():
         assert int(pb.attention_mask[r].sum()) == n
         assert int(pb.loss_mask[r].sum()) == count_loss_tokens([s])
     assert torch.all(pb.advantages[1][pb.loss_mask[1] > 0] == 2.0)
+
+
+def test_environment_tokens_are_context_only():
+    """A multi-turn episode: completion = model turn, env turn (loss_mask 0), model turn."""
+    s = Sample("e", prompt_ids=[1, 2], completion_ids=[20, 21, 90, 91, 92, 22], logprobs=[-0.1, -0.2, 0, 0, 0, -0.3],
+               versions=[3, 3, -1, -1, -1, 4], loss_mask=[1, 1, 0, 0, 0, 1])
+    (mb,) = pack_samples([s], [2.0], token_budget=100, num_samples_in_step=1, num_tokens_in_step=3)
+    assert mb.input_ids.tolist() == [1, 2, 20, 21, 90, 91, 92, 22]
+    assert mb.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert count_loss_tokens([s]) == 3
+    assert (s.first_version, s.last_version, s.model_versions()) == (3, 4, [3, 3, 4])
+    # no prompt: the first token is not trained either way; an env token first stays untrained
+    s0 = Sample("f", prompt_ids=[], completion_ids=[5, 6, 7], logprobs=[0, -1, 0], versions=[-1, 2, -1],
+                loss_mask=[0, 1, 0])
+    (mb0,) = pack_samples([s0], [1.0], 100, 1, 1)
+    assert mb0.loss_mask.tolist() == [0, 1, 0] and count_loss_tokens([s0]) == 1
+    s.loss_mask = [1, 0]
+    with pytest.raises(ValueError, match="loss_mask"):
+        pack_samples([s], [1.0], 100, 1, 3)
