@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
 from inflight.trainer.weight_sync import WeightSyncClient
 from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
+from tests.servers import serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -143,10 +144,7 @@ def version_of(url: str) -> int:
 # ---- fixtures -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from inflight.engine.serve import ServerProcess
-
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                       env={"OMP_NUM_THREADS": "1"}) as proc:
+    with serve_model(tiny_model_dir) as proc:
         yield proc
 
 

@@ -14,6 +14,7 @@ from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
 from tests.trainer.helpers import ReinforceLoss, random_samples
+from tests.servers import serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -22,10 +23,7 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from inflight.engine.serve import ServerProcess
-
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                       env={"OMP_NUM_THREADS": "1"}) as proc:
+    with serve_model(tiny_model_dir) as proc:
         yield proc
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from tests.servers import serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -19,10 +20,7 @@ MSG = [{"role": "user", "content": "3+4="}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from inflight.engine.serve import ServerProcess
-
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                       env={"OMP_NUM_THREADS": "1"}) as proc:
+    with serve_model(tiny_model_dir) as proc:
         yield proc
 
 

@@ -4,12 +4,26 @@ INFLIGHT_VLLM_PYTHON points at its python (`make test-vllm` sets it). One server
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 VLLM_PYTHON = os.environ.get("INFLIGHT_VLLM_PYTHON", "")
+
+
+def assert_conformance(url: str) -> None:
+    """The conformance suite (tests/conformance) passes against the server at `url`, all of it."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/conformance",
+                        "--server-url", url], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                       text=True, timeout=900)
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 15 and "failed" not in tail, tail
 
 
 def pytest_configure(config):

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,11 +14,12 @@ import httpx
 import pytest
 import torch
 
+from tests.vllm.conftest import assert_conformance
+
 VLLM_PYTHON = os.environ.get("INFLIGHT_VLLM_PYTHON", "")
 needs_vllm = pytest.mark.skipif(not (VLLM_PYTHON and os.path.exists(VLLM_PYTHON)),
                                 reason="set INFLIGHT_VLLM_PYTHON to the python of the vLLM venv (make test-vllm)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
-ROOT = Path(__file__).resolve().parents[2]
 MSG = [{"role": "user", "content": "12+34="}]
 
 
@@ -58,12 +56,7 @@ def hf_model(vllm_model_dir):
 
 
 def test_conformance_suite(vllm_server):
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/conformance",
-                        "--server-url", vllm_server.url], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) >= 15 and "failed" not in tail, tail
+    assert_conformance(vllm_server.url)
 
 
 def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model_dir):

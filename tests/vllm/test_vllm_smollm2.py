@@ -5,21 +5,16 @@ generation ends at `<|im_end|>`, and its logprobs equal a float64 transformers f
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.vllm.conftest import VLLM_PYTHON
+from tests.vllm.conftest import VLLM_PYTHON, assert_conformance
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not (VLLM_PYTHON and os.path.exists(VLLM_PYTHON)),
                                  reason="set INFLIGHT_VLLM_PYTHON to the python of the vLLM venv (make test-vllm)")]
-ROOT = Path(__file__).resolve().parents[2]
 MSGS = [{"role": "system", "content": "You are a calculator. Reply with the result as a number."},
         {"role": "user", "content": "What is 3+4? Answer with the number only."}]
 
@@ -34,12 +29,7 @@ def server(smollm2_dir):
 
 
 def test_conformance_suite(server):
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/conformance",
-                        "--server-url", server.url], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    tail = (r.stdout + r.stderr)[-3000:]
-    assert r.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) >= 15 and "failed" not in tail, tail
+    assert_conformance(server.url)
 
 
 def test_chat_template_stop_and_logprobs(server, smollm2_dir):
