@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
+from typing import Callable
+
+import httpx
 
 
 def serve_model(model_dir: Path, *args: str):
@@ -11,3 +17,38 @@ def serve_model(model_dir: Path, *args: str):
     from inflight.engine.serve import ServerProcess
 
     return ServerProcess(str(model_dir), extra_args=["--max-model-len", "512", *args], env={"OMP_NUM_THREADS": "1"})
+
+
+def generation_across_update(url: str, messages: list[dict], push: Callable[[], None], old: int, new: int,
+                             n: int = 1) -> tuple[list[int], list[int], list[float], list[int]]:
+    """Stream a long generation (choice 0 of `n`), call `push` once 10 tokens are out, and return (prompt ids,
+    token ids, logprobs, versions) of a generation whose tokens span versions `old` then `new` (3 tries: on a busy
+    host the generation may end before the push lands)."""
+    for _attempt in range(3):
+        got: dict = {"ids": [], "lps": [], "versions": [], "prompt": []}
+
+        def generate() -> None:
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "messages": messages, "max_tokens": 400, "ignore_eos": True, "n": n,
+                    "logprobs": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    ch = json.loads(line[6:])["choices"][0]
+                    if ch.get("index", 0) != 0:
+                        continue
+                    got["ids"].extend(ch.get("token_ids", []))
+                    got["versions"].extend(ch.get("token_versions", []))
+                    got["lps"].extend(e["logprob"] for e in (ch["logprobs"] or {}).get("content", []))
+                    got["prompt"] = ch.get("prompt_token_ids", got["prompt"])
+
+        t = threading.Thread(target=generate)
+        t.start()
+        while len(got["ids"]) < 10 and t.is_alive():
+            time.sleep(0.005)
+        push()
+        t.join()
+        if got["versions"] and got["versions"][0] == old and got["versions"][-1] == new:
+            return got["prompt"], got["ids"], got["lps"], got["versions"]
+    raise AssertionError("the generation never spanned the update")

@@ -8,8 +8,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import json
-import threading
-import time
 
 import httpx
 import pytest
@@ -19,7 +17,7 @@ from safetensors.torch import save_file
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
 from inflight.trainer.weight_sync import WeightSyncClient
 from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
-from tests.servers import serve_model
+from tests.servers import generation_across_update, serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -258,39 +256,14 @@ def test_adapter_push_during_long_generation(server, sync, tiny_model_dir, mode)
     w0 = base_weights(tiny_model_dir, seed=v)
     sync.push(w0.items(), version=v)
     adapter = make_adapter(w0, [Q0, V1, D0, O1], rank=4, seed=v)
-    for _attempt in range(3):
-        seen: list[int] = []
-        result: dict = {}
-
-        def generate() -> None:
-            body = {"model": model_of(server.url), "messages": MSG, "max_tokens": 400, "ignore_eos": True,
-                    "logprobs": True, "stream": True}
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        ch = json.loads(line[6:])["choices"][0]
-                        seen.extend(ch.get("token_ids", []))
-                        result.setdefault("versions", []).extend(ch.get("token_versions", []))
-                        result.setdefault("lps", []).extend(
-                            e["logprob"] for e in (ch["logprobs"] or {}).get("content", []))
-                        if "prompt_token_ids" in ch:
-                            result["prompt"] = ch["prompt_token_ids"]
-
-        t = threading.Thread(target=generate)
-        t.start()
-        while len(seen) < 10 and t.is_alive():
-            time.sleep(0.005)
+    def push() -> None:
         r = push_broadcast(sync, server.url, adapter, v + 1, rank=4, scaling=2.0, mode=mode)
         assert r.status_code == 200, r.text
-        t.join()
-        versions = result["versions"]
-        if versions[0] == v and versions[-1] == v + 1:
-            break
-    else:
-        pytest.fail("the generation never spanned the update")
+
+    prompt, seen, got, versions = generation_across_update(server.url, MSG, push, v, v + 1)
     switch = versions.index(v + 1)
     assert versions == [v] * switch + [v + 1] * (len(versions) - switch)
-    ids, n_prompt, got = result["prompt"] + seen, len(result["prompt"]), result["lps"]
+    ids, n_prompt = prompt + seen, len(prompt)
     ref_old = reference(tiny_model_dir, merged64(w0, {}, 0.0), ids, n_prompt)
     assert max(abs(a - b) for a, b in zip(got[:switch], ref_old[:switch])) < 1e-3
     ref_new = reference(tiny_model_dir, merged64(w0, adapter, 2.0), ids, n_prompt)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
-from tests.servers import serve_model
+from tests.servers import generation_across_update, serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -199,42 +199,11 @@ def test_update_during_long_generation(server, hf, sync, mode):
     old = perturbed(hf, seed=base)
     sync.push(old.items(), version=base)
     new = perturbed(hf, seed=base + 1)
-    for _attempt in range(3):
-        seen: list[int] = []
-        result: dict = {}
-
-        def generate() -> None:
-            body = {"model": model_of(server.url), "messages": MSG, "max_tokens": 400, "ignore_eos": True, "n": 4,
-                    "logprobs": True, "stream": True}
-            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                import json
-
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        ch = json.loads(line[6:])["choices"][0]
-                        if ch["index"] == 0:
-                            seen.extend(ch.get("token_ids", []))
-                            result.setdefault("versions", []).extend(ch.get("token_versions", []))
-                            result.setdefault("lps", []).extend(
-                                e["logprob"] for e in (ch["logprobs"] or {}).get("content", []))
-                            if "prompt_token_ids" in ch:
-                                result["prompt"] = ch["prompt_token_ids"]
-
-        t = threading.Thread(target=generate)
-        t.start()
-        while len(seen) < 10 and t.is_alive():
-            time.sleep(0.005)
-        sync.push(new.items(), version=base + 1, mode=mode)
-        t.join()
-        versions = result["versions"]
-        if versions[-1] == base + 1 and versions[0] == base:
-            break
-    else:
-        pytest.fail("the generation never spanned the update")
+    prompt, seen, got, versions = generation_across_update(
+        server.url, MSG, lambda: sync.push(new.items(), version=base + 1, mode=mode), base, base + 1, n=4)
     switch = versions.index(base + 1)
     assert versions == [base] * switch + [base + 1] * (len(versions) - switch)
-    ids, n_prompt = result["prompt"] + seen, len(result["prompt"])
-    got = result["lps"]
+    ids, n_prompt = prompt + seen, len(prompt)
     ref_old = reference_logprobs(hf, old, ids, n_prompt, 1.0)
     assert max(abs(a - b) for a, b in zip(got[:switch], ref_old[:switch])) < 1e-4
     ref_new = reference_logprobs(hf, new, ids, n_prompt, 1.0)
