@@ -98,9 +98,9 @@ def test_server_restart_and_trainer_stall(tiny_model_dir, tmp_path):
             os.kill(trainer_pid, signal.SIGCONT)
         assert actor, "no actor report during the stall"
         # the version the actor's bound uses: published once the servers hold it, so the last step's push may have
-        # been in flight when the trainer stopped
+        # been in flight when the trainer stopped; or published before the step's metrics line was written
         version = actor[-1]["trainer_version"]
-        assert version in (trained - 1, trained) and all(r["trainer_version"] == version for r in actor)
+        assert version in (trained - 1, trained, trained + 1) and all(r["trainer_version"] == version for r in actor)
         bound = (version + MAX_LAG + 1 + AHEAD) * GPS
         live = [r["groups_started"] - r["groups_failed"] for r in actor]
         assert max(live) <= bound, (live, bound)
