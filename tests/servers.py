@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -9,6 +10,12 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+
+
+@functools.lru_cache
+def model_of(url: str) -> str:
+    """The model name a server reports (the `model` of its requests)."""
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
 def serve_model(model_dir: Path, *args: str):
@@ -28,8 +35,7 @@ def generation_across_update(url: str, messages: list[dict], push: Callable[[], 
         got: dict = {"ids": [], "lps": [], "versions": [], "prompt": []}
 
         def generate() -> None:
-            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            body = {"model": model, "messages": messages, "max_tokens": 400, "ignore_eos": True, "n": n,
+            body = {"model": model_of(url), "messages": messages, "max_tokens": 400, "ignore_eos": True, "n": n,
                     "logprobs": True, "stream": True}
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():

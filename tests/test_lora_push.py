@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
 from inflight.trainer.weight_sync import WeightSyncClient
 from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
-from tests.servers import generation_across_update, serve_model
+from tests.servers import generation_across_update, model_of, serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -72,11 +72,6 @@ def reference(model_dir, weights: dict, ids: list[int], n_prompt: int, temp: flo
         logits = m(torch.tensor([ids])).logits[0]
     lp = torch.log_softmax(logits / temp, dim=-1)
     return [lp[t - 1, ids[t]].item() for t in range(n_prompt, len(ids))]
-
-
-@functools.lru_cache
-def model_of(url: str) -> str:
-    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
 def chat(url: str, **kw) -> dict:

@@ -3,7 +3,6 @@ is `inflight serve` in a subprocess. Server logprobs are compared with an indepe
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
-from tests.servers import generation_across_update, serve_model
+from tests.servers import generation_across_update, model_of, serve_model
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]
@@ -51,11 +50,6 @@ def reference_logprobs(hf, weights: dict[str, torch.Tensor], ids: list[int], n_p
         logits = hf(torch.tensor([ids])).logits[0].double()
     lp = torch.log_softmax(logits / temp, dim=-1)
     return [lp[t - 1, ids[t]].item() for t in range(n_prompt, len(ids))]
-
-
-@functools.lru_cache
-def model_of(url: str) -> str:
-    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
 def chat(url: str, **kw) -> dict:
