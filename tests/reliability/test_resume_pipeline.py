@@ -19,6 +19,14 @@ pytestmark = pytest.mark.slow
 STEPS, GPS, G, MAX_LAG = 30, 2, 4, 1  # steps take 0.05-0.5 s: room for the kills to land mid-run
 
 
+def newest_checkpoint(run) -> int:
+    """The step a resume starts from: the newest complete checkpoint on disk. Not the newest "checkpoint" record: a
+    kill can land between a checkpoint's save and its record (seen in CI: saved at step 8, recorded up to 6)."""
+    from inflight.pipeline.checkpoint import latest_checkpoint, read_state
+
+    return read_state(latest_checkpoint(run)).step
+
+
 def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
     run = tmp_path / "crash"
     args = base_overrides(tiny_model_dir, tmp_path, "crash", f"pipeline.max_steps={STEPS}",
@@ -30,7 +38,7 @@ def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
     os.kill(records(run, "roles_started")[-1]["pids"]["trainer"], signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and "role 'trainer' stopped unexpectedly (killed by signal 9)" in err
-    first_ckpt = max(r["step"] for r in records(run, "checkpoint"))
+    first_ckpt = newest_checkpoint(run)
     trained_before_kill = latest_step(run)
 
     # 2. resume; then SIGKILL every process of the run at once (launcher and each role's process group)
@@ -45,7 +53,7 @@ def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):
     p.communicate(timeout=30)
     for name, pid in pids.items():
         assert dies_within(pid), f"{name} survived SIGKILL"
-    second_ckpt = max(r["step"] for r in records(run, "checkpoint"))
+    second_ckpt = newest_checkpoint(run)
     assert first_ckpt < second_ckpt < STEPS
 
     # 3. resume to the end
