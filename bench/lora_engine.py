@@ -1,8 +1,9 @@
 """The built-in engine's side of an adapter (LoRA) push against a full one: what the engine pauses for (not a test).
 
     .venv/bin/python bench/lora_engine.py [--model .cache/models/smollm2-135m-instruct] [--ranks 1,8,32] [--pushes 3]
+        [--precision float32|bfloat16|int8]
 
-In this process: an InferenceEngine (float32, 1 torch thread, `--batch` streaming requests decoding throughout) and
+In this process: an InferenceEngine (float32 generator unless --precision, 1 torch thread, `--batch` streaming requests decoding throughout) and
 its WeightReceiver, fed safetensors files under /dev/shm (the file transport: the read is outside the pause for both
 kinds). Full update: every parameter, perturbed. Adapter: rank r on every linear weight of every layer (q, k, v, o,
 gate, up, down), B and A random. Per push: the file's bytes, the receiver's receive seconds (read + NaN check), merge
@@ -52,7 +53,8 @@ def updates(eng: InferenceEngine, ranks: list[int]) -> list[tuple[str, dict, dic
 
 async def run(args) -> None:
     torch.set_num_threads(1)
-    eng = InferenceEngine(str(args.model), max_batch=args.batch, max_model_len=512, threads=1)
+    eng = InferenceEngine(str(args.model), max_batch=args.batch, max_model_len=512, threads=1,
+                          generator_precision=args.precision)
     receiver = WeightReceiver(eng)
     eng.start()
     stop = asyncio.Event()
@@ -67,7 +69,7 @@ async def run(args) -> None:
     tasks = [asyncio.create_task(decode(i)) for i in range(args.batch)]
     version = 0
     print(f"model {args.model.name}, {sum(p.numel() for p in eng.model.parameters()) / 1e6:.0f}M parameters, "
-          f"float32, batch {args.batch} decoding, 1 thread")
+          f"generator {args.precision}, batch {args.batch} decoding, 1 thread")
     print(f"{'update':<14} {'MB':>8} {'receive s':>10} {'merge s':>8} {'pause s':>8}")
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         for name, tensors, adapter in updates(eng, args.ranks):
@@ -95,6 +97,7 @@ def main() -> None:
     p.add_argument("--pushes", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--gap-s", type=float, default=0.5)
+    p.add_argument("--precision", default="float32", help="server.generator_precision: float32, bfloat16, int8, ...")
     args = p.parse_args()
     args.ranks = [int(r) for r in args.ranks.split(",")]
     asyncio.run(run(args))

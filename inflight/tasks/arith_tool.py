@@ -21,6 +21,7 @@ from inflight.tasks.arith import ArithTask
 from inflight.tasks.config import TaskConfig
 
 _CALL = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.S)
+DEMO_EXPR = "12*34"  # the worked example of task.tool_demo
 MAX_EXPR_CHARS = 200
 MAX_DIGITS = 200
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
@@ -94,12 +95,19 @@ class ArithToolTask(ArithTask):
 
     def _sample(self, sid: str, nums: list[int], ops: list[str]) -> TaskSample:
         s = super()._sample(sid, nums, ops)
-        if not self.cfg.prompt:
-            expr = s.meta["expr"]
-            s.messages[-1] = {"role": "user", "content": (
-                f"What is {expr}? You may use a calculator: write <calc>expression</calc> and wait for the result. "
-                "Put the final answer in \\boxed{}.")}
+        s.messages[-1] = {"role": "user", "content": self._question(s.meta["expr"])}
+        if self.cfg.tool_demo:
+            s.messages[-1:-1] = [{"role": "user", "content": self._question(DEMO_EXPR)},
+                                 {"role": "assistant", "content": f"<calc>{DEMO_EXPR}</calc>"},
+                                 {"role": self.cfg.tool_role, "content": str(calculate(DEMO_EXPR))},
+                                 {"role": "assistant", "content": f"\\boxed{{{calculate(DEMO_EXPR)}}}"}]
         return s
+
+    def _question(self, expr: str) -> str:
+        if self.cfg.prompt:
+            return self.cfg.prompt.replace("{expr}", expr)
+        return (f"What is {expr}? You may use a calculator: write <calc>expression</calc> and wait for the result. "
+                "Put the final answer in \\boxed{}.")
 
     def make_env(self, sample: TaskSample) -> CalcEnv:
         return CalcEnv(self, sample)

@@ -28,3 +28,6 @@ class TaskConfig:
     max_episode_tokens: int = 0  # completion tokens per episode, model + environment; 0 = 2 * max_turns * max_new_tokens
     env_timeout_s: float = 10.0  # an environment call (reset, step: a tool) slower than this fails the episode
     tool_role: str = "tool"  # arith_tool: the role of the calculator's turn (a template without one: "user")
+    # arith_tool: one worked exchange before the question (a question, <calc>12*34</calc>, the tool's 408, \boxed{408}):
+    # a small instruct model that has never seen the tool calls it in ~10% of samples with it, ~0-2% without
+    tool_demo: bool = False

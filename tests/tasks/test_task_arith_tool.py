@@ -56,3 +56,14 @@ def test_environment_episode():
         TaskConfig(digits=4, terms=3, operators=["*", "+"], eval_size=5)).eval_samples()]
     role = get_task(TaskConfig(name="arith_tool", tool_role="user", eval_size=2))
     assert role.make_env(ts).step("<calc>1+1</calc>").messages == [{"role": "user", "content": "2"}]
+
+
+def test_tool_demo_is_one_worked_exchange_before_the_question():
+    plain = next(get_task(TaskConfig(name="arith_tool", system_prompt="S", eval_size=2)).train_samples(0))
+    demo = next(get_task(TaskConfig(name="arith_tool", system_prompt="S", eval_size=2, tool_demo=True,
+                                    tool_role="user")).train_samples(0))
+    assert demo.messages[0] == plain.messages[0] and demo.messages[-1] == plain.messages[-1]
+    assert demo.messages[1:-1] == [
+        {"role": "user", "content": plain.messages[-1]["content"].replace(plain.meta["expr"], "12*34")},
+        {"role": "assistant", "content": "<calc>12*34</calc>"}, {"role": "user", "content": "408"},
+        {"role": "assistant", "content": "\\boxed{408}"}]
