@@ -119,6 +119,8 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
     assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
+    for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
+        assert 0 < reply < 0.5
     assert "measured by `inflight profile" in p.source
 
 
