@@ -1,7 +1,7 @@
 """The simulator (inflight/plan) against real `inflight train` runs on this machine: samples/s and lag histograms.
 
     .venv/bin/python -m inflight.cli profile configs/cpu-demo.yaml --out runs/plan/cpu-demo.json --contexts 24,64
-    .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--config C.yaml] [--steps 60] [--report-only]
+    .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--config C] [--steps 60] [--report-only]
 
 Each case is one short `inflight train CONFIG` run (configs/cpu-demo.yaml by default; configs/bench-scratch.yaml
 is the generation-heavy scratchpad workload) (bench/pipeline.py's run_once; no evaluation,

@@ -149,6 +149,7 @@ def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None, groups: int 
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
     worth). `cfg`: RunConfig, built-in engine (the server's main thread is read from /proc)."""
     from inflight.engine.serve import ServerProcess
+    from inflight.host import free_port
     from inflight.pipeline.launch_common import server_command, thread_env
 
     cfg = copy.deepcopy(cfg)
@@ -160,10 +161,8 @@ def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None, groups: int 
     cfg.actor.version_gate = False  # no trainer publishes here: a request must not wait for weights that never come
     cfg.pipeline.max_steps = cfg.pipeline.max_samples = 0
     cfg.pipeline.max_minutes = 0
-    from inflight.host import free_port
-
     cfg.server.base_port = free_port()
-    argv = server_command(cfg, 0)  # as the launcher starts server 0: [python, -m, ..., --model M, --host H, --port P, ...]
+    argv = server_command(cfg, 0)  # as the launcher starts it: [python, -m, ..., --model M, --host H, --port P, ...]
     at = argv.index("--model")
     host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
     with ServerProcess(argv[at + 1], host=host, port=port, command=argv[:at], extra_args=argv[at + 6:],
