@@ -1,9 +1,10 @@
 """The simulator (inflight/plan) against real `inflight train` runs on this machine: samples/s and lag histograms.
 
     .venv/bin/python -m inflight.cli profile configs/cpu-demo.yaml --out runs/plan/cpu-demo.json --contexts 24,64
-    .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--steps 60] [--report-only]
+    .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--config C] [--steps 60] [--report-only]
 
-Each case is one short `inflight train configs/cpu-demo.yaml` run (bench/pipeline.py's run_once; no evaluation,
+Each case is one short `inflight train CONFIG` run (configs/cpu-demo.yaml by default; configs/bench-scratch.yaml
+is the generation-heavy scratchpad workload) (bench/pipeline.py's run_once; no evaluation,
 fixed step count): pipelined keep at max_lag 0, 1, 4, pipelined interrupt at max_lag 1, sync (num_grad_steps 4).
 From a run's metrics.jsonl: samples/s between the end of step --skip and the last step (the start-up left out),
 the lag histogram of all trained tokens, and the workload the simulator needs (completion lengths, prompt tokens
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-CASES = {  # name: overrides of configs/cpu-demo.yaml
+CASES = {  # name: overrides of the config
     "keep-lag0": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=0"],
     "keep-lag1": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=1"],
     "keep-lag4": ["pipeline.mode=pipelined", "pipeline.update_mode=keep", "actor.max_lag=4"],
@@ -38,13 +39,17 @@ def read(run_dir: Path, skip: int) -> dict:
     return read_run(run_dir, skip)
 
 
-def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float = 0) -> dict:
+DEFAULT_CONFIG = REPO / "configs" / "cpu-demo.yaml"
+
+
+def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float = 0,
+            config: Path = DEFAULT_CONFIG) -> dict:
     from inflight.config import RunConfig, load_config
     from inflight.plan.contention import simulate_shared
     from inflight.plan.sim import simulate
     from inflight.plan.workload import Lengths, from_run_config
 
-    cfg = load_config(RunConfig, REPO / "configs" / "cpu-demo.yaml", overrides)
+    cfg = load_config(RunConfig, config, overrides)
     cfg.pipeline.max_steps = steps
     sim = from_run_config(cfg, Lengths(values=real["lengths"]), steps=steps, share_prompt=True,
                           prompt_tokens=round(real["prompt_tokens"]), trained_frac=real["trained_frac"])
@@ -55,13 +60,13 @@ def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, co
 
 
 def calibrate(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float,
-              server_share: float) -> float:
-    """Per-group reply work c (a figure `inflight profile` cannot measure alone), `server_share` of it stopping the
-    server (server_s_per_group) and the rest on the actor (actor_s_per_group), that makes the prediction of this one
-    run match its samples/s (bisection; 0 when the profile alone already predicts less)."""
+              server_share: float, config: Path = DEFAULT_CONFIG) -> float:
+    """Per-group reply work c, `server_share` of it stopping the server (server_s_per_group) and the rest on the
+    actor (actor_s_per_group), added to what the profile holds, that makes the prediction of this one run match
+    its samples/s (bisection; 0 when the profile alone already predicts less)."""
     def rate(c: float) -> float:
         prof = with_reply(profile, c, server_share)
-        return predict(prof, overrides, real, steps, skip, cores)["samples_per_s"]
+        return predict(prof, overrides, real, steps, skip, cores, config)["samples_per_s"]
 
     if rate(0.0) <= real["samples_per_s"]:
         return 0.0
@@ -73,8 +78,9 @@ def calibrate(profile, overrides: list[str], real: dict, steps: int, skip: int, 
 
 
 def with_reply(profile, c: float, server_share: float):
-    return profile.model_copy(update={"server_s_per_group": c * server_share,
-                                      "actor_s_per_group": c * (1 - server_share)})
+    """The profile with c seconds of reply work per group added, `server_share` of it on the server."""
+    return profile.model_copy(update={"server_s_per_group": profile.server_s_per_group + c * server_share,
+                                      "actor_s_per_group": profile.actor_s_per_group + c * (1 - server_share)})
 
 
 def table(title: str, rows: list) -> None:
@@ -102,52 +108,69 @@ def share(h: dict[int, int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", required=True, help="profile JSON measured here (inflight profile)")
+    ap.add_argument("--profile", default="", help="profile JSON measured here (inflight profile); none: only run")
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="the run config the cases override")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run (a multiple of 4)")
     ap.add_argument("--skip", type=int, default=12, help="steps left out of samples/s at the start (multiple of 4)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
-    ap.add_argument("--out", default=str(REPO / "runs" / "plan-check"))
+    ap.add_argument("--out", default="", help="run folder (default runs/plan-check/<config name>)")
     ap.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
     ap.add_argument("--cores", type=float, default=0, help="model the roles sharing this many cores (0: no)")
-    ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit the per-group reply work to these runs")
+    ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit extra per-group reply work to these runs")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    config = Path(args.config).resolve()
+    out = Path(args.out or REPO / "runs" / "plan-check" / config.stem)
     out.mkdir(parents=True, exist_ok=True)
-    from inflight.plan.profile import Profile
-
-    profile = Profile.load(args.profile)
     reals = {}
     for name in args.cases.split(","):
+        mode = "sync" if "sync" in name else "pipelined"
         if not args.report_only:
             from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
 
-            mode = "sync" if "sync" in name else "pipelined"
-            run_once(REPO / "configs" / "cpu-demo.yaml", name, mode, 0, out, 3.0, args.steps, CASES[name] + COMMON)
-        reals[name] = read(out / f"{name}-{'sync' if 'sync' in name else 'pipelined'}-0", args.skip)
+            run_once(config, name, mode, 0, out, 3.0, args.steps, CASES[name] + COMMON)
+        reals[name] = read(out / f"{name}-{mode}-0", args.skip)
+        r = reals[name]
+        print(f"{name}: measured {r['samples_per_s']:.1f} samples/s, {r['step_s'] * 1e3:.0f} ms/step, "
+              f"lag {share(r['lag'])}", flush=True)
+    if not args.profile:
+        return 0
+    from inflight.plan.profile import Profile
+
+    profile = Profile.load(args.profile)
     results = {}
-    prof = profile
-    rows = [(n, r, predict(prof, CASES[n] + COMMON, r, args.steps, args.skip, args.cores)) for n, r in reals.items()]
+    pred = lambda prof, n: predict(prof, CASES[n] + COMMON, reals[n], args.steps, args.skip,  # noqa: E731
+                                   args.cores, config)
+    rows = [(n, r, pred(profile, n)) for n, r in reals.items()]
     shared = f", roles sharing {args.cores:g} cores (contention.py)" if args.cores else ""
-    table(f"PREDICTED from profile {args.profile}{shared} as measured vs MEASURED (runs in {out}; samples/s after step "
-          f"{args.skip})", rows)
+    reply = (f"; reply work as profiled: server {profile.server_s_per_group * 1e3:.2f} ms per group + "
+             f"{profile.server_s_per_token * 1e6:.2f} us per token, actor {profile.actor_s_per_group * 1e3:.2f} ms + "
+             f"{profile.actor_s_per_token * 1e6:.2f} us, trainer stream read {profile.trainer_s_per_group * 1e3:.2f} "
+             f"ms + {profile.trainer_s_per_token * 1e6:.2f} us")
+    table(f"PREDICTED from profile {args.profile}{shared}{reply} vs MEASURED ({config.name}, runs in {out}; "
+          f"samples/s after step {args.skip})", rows)
     results["profile"] = rows
+    reply_fields = [f"{r}_s_per_{u}" for r in ("server", "actor", "trainer") for u in ("group", "token")]
+    if any(getattr(profile, f) for f in reply_fields):  # what the profile predicts without its reply work
+        bare = profile.model_copy(update={f: 0.0 for f in reply_fields})
+        rows0 = [(n, r, pred(bare, n)) for n, r in reals.items()]
+        table(f"PREDICTED from the same profile without its reply work (server, actor, stream read: 0){shared}", rows0)
+        results["no_reply"] = rows0
     if args.calibrate:  # fit c on the first run for each server share; keep the share that predicts the second
         first, second = args.calibrate.split(",")
         fits = []
         for share_ in (0.0, 0.25, 0.5, 0.75, 1.0):
-            c = calibrate(profile, CASES[first] + COMMON, reals[first], args.steps, args.skip, args.cores, share_)
-            p2 = predict(with_reply(profile, c, share_), CASES[second] + COMMON, reals[second], args.steps,
-                         args.skip, args.cores)
+            c = calibrate(profile, CASES[first] + COMMON, reals[first], args.steps, args.skip, args.cores, share_,
+                          config)
+            p2 = pred(with_reply(profile, c, share_), second)
             fits.append((abs(p2["samples_per_s"] / reals[second]["samples_per_s"] - 1), share_, c))
             print(f"calibration: server share {share_:.2f}: {c * 1e3:.2f} ms per group fits {first}; "
                   f"{second} predicted {p2['samples_per_s']:.0f} vs {reals[second]['samples_per_s']:.0f} measured")
         _, share_, c = min(fits)
         prof = with_reply(profile, c, share_)
-        rows = [(n, r, predict(prof, CASES[n] + COMMON, r, args.steps, args.skip, args.cores))
-                for n, r in reals.items()]
+        rows = [(n, r, pred(prof, n)) for n, r in reals.items()]
         table(f"PREDICTED{shared}, with {c * 1e3:.2f} ms of reply work per group ({share_:.0%} of it on the server, "
-              f"the rest on the actor) fitted to the {first} and {second} runs (those two rows match by "
-              "construction; the others are predictions)", rows)
+              f"the rest on the actor) fitted to the {first} and {second} runs on top of the profile's (those two "
+              "rows match by construction; the others are predictions)", rows)
         results["calibrated"] = rows
     (out / "check.json").write_text(json.dumps({k: [{"case": n, "measured": {x: v for x, v in r.items()
                                                                              if x != "lengths"}, "predicted": p}

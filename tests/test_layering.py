@@ -18,8 +18,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("tasks", "algo", "streams"),
     ("modelkit",),
     ("engine", "trainer", "rewards"),
-    ("actor", "plan"),  # plan: the simulator needs only config; its profiler (measure.py) drives engine and trainer
+    ("actor",),
     ("pipeline",),
+    ("plan",),  # the simulator needs only config; its profiler drives engine, trainer, actor and a launcher's server
     ("cli",),
 ]
 FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}

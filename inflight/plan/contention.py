@@ -28,7 +28,11 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
                                         "step_overhead_s": t.step_overhead_s * trainer}),
         "pause_s": profile.pause_s * server, "push_s": profile.push_s * trainer,
         "server_s_per_group": profile.server_s_per_group * server,
-        "actor_s_per_group": profile.actor_s_per_group * actor})
+        "server_s_per_token": profile.server_s_per_token * server,
+        "actor_s_per_group": profile.actor_s_per_group * actor,
+        "actor_s_per_token": profile.actor_s_per_token * actor,
+        "trainer_s_per_group": profile.trainer_s_per_group * trainer,
+        "trainer_s_per_token": profile.trainer_s_per_token * trainer})
 
 
 def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, trainer_threads: float = 1.0,

@@ -101,6 +101,25 @@ class Profile(_Strict):
     # per group: seconds its server stops decoding to answer it (building the reply with token ids and logprobs on
     # the server's own process: the built-in engine's thread shares the interpreter with its HTTP server)
     server_s_per_group: float = Field(0.0, ge=0)
+    # the reply work's share that grows with the group's completion tokens (logprob lists, detokenising, JSON)
+    server_s_per_token: float = Field(0.0, ge=0)
+    actor_s_per_token: float = Field(0.0, ge=0)
+    # per group on the trainer, besides back-propagating it: reading it from the stream and decoding it (every
+    # group, trained samples or not)
+    trainer_s_per_group: float = Field(0.0, ge=0)
+    trainer_s_per_token: float = Field(0.0, ge=0)
+
+    def server_reply_s(self, completion_tokens: int) -> float:
+        """Seconds a group of `completion_tokens` stops its server (the reply)."""
+        return self.server_s_per_group + self.server_s_per_token * completion_tokens
+
+    def actor_reply_s(self, completion_tokens: int) -> float:
+        """The actor's serial seconds for a group of `completion_tokens`."""
+        return self.actor_s_per_group + self.actor_s_per_token * completion_tokens
+
+    def trainer_read_s(self, completion_tokens: int) -> float:
+        """The trainer's seconds to take a group of `completion_tokens` from the stream."""
+        return self.trainer_s_per_group + self.trainer_s_per_token * completion_tokens
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

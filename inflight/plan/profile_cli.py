@@ -1,7 +1,8 @@
 """`inflight profile CONFIG.yaml [key=value ...] --out PROFILE.json`: measure this machine for `inflight plan`.
 
 Measures, with the config's model and thread settings: the built-in engine's decode step time over --batches and
---contexts and its prefill tokens/s, the pause of a weight swap, and the trainer's tokens/s and optimizer step; or,
+--contexts and its prefill tokens/s, the pause of a weight swap, the push, the per-group reply work (server reply,
+actor, stream read: inflight/plan/reply.py), and the trainer's tokens/s and optimizer step; or,
 with --server URL, the step-time curve of that running server (vLLM, SGLang, inflight serve) over HTTP, with the
 trainer measured here unless --no-trainer. The JSON says where and when it was measured.
 """
@@ -41,8 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--server: the engine's pause)")
     parser.add_argument("--overhead-s", type=float, default=0.0,
                         help="per group: latency from its last token to the trainer (network, stream)")
-    parser.add_argument("--actor-s-per-group", type=float, default=0.0,
-                        help="per group: the actor's serial seconds (reply decoding, rewards, stream put)")
+    parser.add_argument("--actor-s-per-group", type=float, default=None,
+                        help="per group: the actor's serial seconds (reply decoding, rewards, stream put); default: "
+                             "measured with the reply work (0 with --server or --no-reply)")
+    parser.add_argument("--no-reply", action="store_true",
+                        help="do not time the per-group reply work (server reply, actor, stream read) on the real "
+                             "server and actor code")
+    parser.add_argument("--reply-lengths", type=_ints, default=None,
+                        help="two completion lengths the reply work is timed at (default max_new_tokens/4,"
+                             "max_new_tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="trainer measurement: prompt tokens per group")
     parser.add_argument("--completion-tokens", type=int, default=12, help="trainer measurement: tokens per completion")
 
@@ -80,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
     if push is None and not args.server and cfg.trainer.protocol == "inflight":
         push, pause = measure.measure_push(cfg)
         print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
+    reply: dict[str, float] = {}
+    if not args.server and not args.no_reply and cfg.server.engine == "builtin":
+        reply = measure_reply(cfg, args.reply_lengths)
+    if args.actor_s_per_group is not None:
+        reply.update(actor_s_per_group=args.actor_s_per_group, actor_s_per_token=0.0)
     if args.no_trainer:
         trainer = TrainerProfile(model=cfg.model.path, tokens_per_s=args.tokens_per_s)
     else:
@@ -92,7 +105,26 @@ def run(args: argparse.Namespace) -> int:
                          f"measured on {args.prompt_tokens}-token prompts, {args.completion_tokens}-token completions, "
                          f"trainer device {cfg.trainer.device}; wall-clock, other load on the machine included",
                    engine=engine, trainer=trainer, pause_s=pause,
-                   push_s=pause if push is None else push, overhead_s=args.overhead_s,
-                   actor_s_per_group=args.actor_s_per_group)
+                   push_s=pause if push is None else push, overhead_s=args.overhead_s, **reply)
     print(f"profile written to {prof.save(args.out)}")
     return 0
+
+
+def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
+    """The per-group reply work (inflight/plan/reply.py) as profile fields; the reward workers count as actor."""
+    from inflight.plan.reply import line
+    from inflight.plan.reply import measure_reply as measure
+
+    if lengths is not None and len(lengths) != 2:
+        raise SystemExit("inflight profile: --reply-lengths takes two lengths, e.g. 4,12")
+    lo, hi = measure(cfg, tuple(lengths) if lengths else None)
+    for c in (lo, hi):
+        print(f"reply work at {c.length} tokens x {c.group_size} ({c.groups} groups, {c.wall_s:.2f} s): per group "
+              f"server {c.server_s * 1e3:.2f} ms, actor {c.actor_s * 1e3:.2f} ms + reward workers "
+              f"{c.reward_s * 1e3:.2f} ms, trainer stream read {c.trainer_s * 1e3:.2f} ms (CPU time)")
+    for c in (lo, hi):
+        c.actor_s += c.reward_s
+    out = {}
+    for role in ("server", "actor", "trainer"):
+        out[f"{role}_s_per_group"], out[f"{role}_s_per_token"] = line(lo, hi, f"{role}_s")
+    return out

@@ -26,11 +26,9 @@ def read_run(run_dir: str | Path, skip: int = 0) -> dict:
     for r in steps:
         for k, v in r["lag_hist"].items():
             lag[int(k)] = lag.get(int(k), 0) + v
-    lengths = []  # each step's lengths as its min, its max, and the rest at its mean (the records keep no more)
+    lengths = []  # each step's lengths spread from its min to its max with its mean (the records keep no more)
     for r in steps:
-        n, mean, lo, hi = r["samples"], r["completion_len_mean"], r["completion_len_min"], r["completion_len_max"]
-        rest = round((mean * n - lo - hi) / max(1, n - 2))
-        lengths += [lo, hi] + [max(1, rest)] * (n - 2)
+        lengths += spread(r["samples"], r["completion_len_mean"], r["completion_len_min"], r["completion_len_max"])
     gps = len(steps[0]["group_indices"]) or 1
     span = b["time"] - a["time"]
     return {
@@ -40,3 +38,23 @@ def read_run(run_dir: str | Path, skip: int = 0) -> dict:
         "trainer_busy": sum(r["train_s"] for r in steps[max(1, skip):]) / span,
         "step_s": span / (len(steps) - max(1, skip)),
     }
+
+
+def spread(n: int, mean: float, lo: int, hi: int) -> list[int]:
+    """n lengths from lo to hi with the given mean: lo + (hi - lo) * u ** k on an even grid u in [0, 1], k set by
+    bisection so that the mean matches. A step's batch drains over its whole spread, not at one straggler: with
+    the step's min and max alone and the rest at the mean, a simulated on-policy step came out too short."""
+    if n < 2 or hi <= lo or not lo < mean < hi:
+        return [max(1, round(mean))] * n if n != 2 else [lo, hi]
+    target = (mean - lo) / (hi - lo)
+    grid = [i / (n - 1) for i in range(n)]
+
+    def m(k: float) -> float:
+        return sum(u ** k for u in grid) / n
+
+    a, b = 1e-3, 1e3  # m falls as k grows
+    for _ in range(60):
+        k = (a * b) ** 0.5
+        a, b = (k, b) if m(k) > target else (a, k)
+    k = (a * b) ** 0.5
+    return [max(1, round(lo + (hi - lo) * u ** k)) for u in grid]

@@ -10,8 +10,9 @@ What it models, as the code does:
 - a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
   t(b, c), newly admitted prompts cost prompt tokens / prefill tokens/s before the step; an update is swapped in at
   the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
-- a finished group stops its server `server_s_per_group` (the reply), then costs the actor `actor_s_per_group` of
-  serial work, then reaches the trainer `overhead_s` later;
+- a finished group stops its server `server_s_per_group` + `server_s_per_token` x its completion tokens (the
+  reply), then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work, then reaches the
+  trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of its
   tokens at the profile's tokens/s for T devices), waits for the previous push, then the optimizer step
   (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
@@ -267,7 +268,7 @@ class Simulator:
         srv.decode_time += n * dt
         srv.batch_time += n * dt * b
         srv.tokens += n * b
-        replies = 0
+        replies, cost = 0, 0.0
         while srv.heap and srv.heap[0][0] <= srv.counter:
             finish, _, begin, g = heapq.heappop(srv.heap)
             srv.ctx_base -= self.cfg.prompt_tokens - begin
@@ -276,12 +277,12 @@ class Simulator:
             if g.left == 0:
                 replies += 1
                 srv.outstanding -= 1
-                reply = self.now + replies * self.p.server_s_per_group
-                self.actor_free = max(reply, self.actor_free) + self.p.actor_s_per_group
+                completion = sum(g.lengths)
+                cost += self.p.server_reply_s(completion)  # the replies go out one after another
+                self.actor_free = max(self.now + cost, self.actor_free) + self.p.actor_reply_s(completion)
                 self._at(self.actor_free + self.p.overhead_s, "group", g)
                 self._actor()
-        if replies and self.p.server_s_per_group:  # the server answers before its next step
-            cost = replies * self.p.server_s_per_group
+        if replies and cost > 0:  # the server answers before its next step
             srv.busy += cost
             srv.paused = True
             self._at(self.now + cost, "resume", srv)
@@ -333,7 +334,7 @@ class Simulator:
             g = self.ready.get(self.next_group)
             if g is None:
                 return
-            work = c.trained_frac * g.tokens / self.tok_s
+            work = c.trained_frac * g.tokens / self.tok_s + self.p.trainer_read_s(sum(g.lengths))
             self.trainer_busy = True
             self.trainer_time += work
             self._at(self.now + work, "backward", None)

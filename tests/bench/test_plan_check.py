@@ -37,3 +37,30 @@ def test_read_and_tv(tmp_path):
     assert b.tv({0: 3, 1: 1}, {0: 1, 1: 1}) == pytest.approx(0.25)
     with pytest.raises(ValueError):
         b.read(tmp_path, skip=4)
+
+
+def test_report_only_prints_the_prediction_with_and_without_the_reply_work(tmp_path, capsys):
+    from tests.plan.test_sim import flat_profile
+
+    b = load("plan_check")
+    run = tmp_path / "keep-lag1-pipelined-0"
+    run.mkdir()
+    steps = [{"event": "train_step", "time": 10.0 + 0.2 * i, "samples_total": 128 * (i + 1), "samples": 128,
+              "lag_hist": {"1": 900}, "completion_len_mean": 8.0, "completion_len_min": 4, "completion_len_max": 12,
+              "prompt_tokens": 14 * 16, "group_indices": list(range(16 * i, 16 * i + 16)), "trained_samples": 64,
+              "train_s": 0.1} for i in range(8)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    prof = flat_profile(step_s=0.002, tok_s=50000.0).model_copy(update={"server_s_per_group": 0.002,
+                                                                      "actor_s_per_token": 1e-5})
+    path = prof.save(tmp_path / "p.json")
+    assert b.main(["--profile", str(path), "--out", str(tmp_path), "--report-only", "--cases", "keep-lag1",
+                   "--steps", "8", "--skip", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "server 2.00 ms per group" in out and "without its reply work" in out
+    res = json.loads((tmp_path / "check.json").read_text())
+    with_reply, without = res["profile"][0]["predicted"], res["no_reply"][0]["predicted"]
+    assert res["profile"][0]["measured"]["samples_per_s"] == pytest.approx(128 / 0.2)
+    assert with_reply["samples_per_s"] < without["samples_per_s"]  # the reply work stops the server
+    more = b.with_reply(prof, 0.004, 0.5)  # calibration adds to what the profile holds
+    assert more.server_s_per_group == pytest.approx(0.004) and more.actor_s_per_group == pytest.approx(0.002)
+    assert more.actor_s_per_token == pytest.approx(1e-5)

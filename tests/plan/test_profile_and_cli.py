@@ -119,6 +119,8 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
     assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
+    for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
+        assert 0 < reply < 0.5
     assert "measured by `inflight profile" in p.source
 
 
@@ -168,3 +170,13 @@ def test_plan_cli_takes_lengths_from_a_run_folder(tmp_path, capsys):
     assert main(["plan", str(REPO / "configs" / "cpu-demo.yaml"), "actor.groups_per_step=8", "--gpus", "3",
                  "--profile", str(prof), "--lengths-from", str(run), "--steps", "4"]) == 0
     assert "mean completion 30 tokens" in capsys.readouterr().out
+
+
+def test_a_step_s_lengths_spread_from_its_min_to_its_max_with_its_mean():
+    from inflight.plan.runs import spread
+
+    assert spread(8, 30.0, 10, 50) == [10, 16, 21, 27, 33, 39, 44, 50]  # mean halfway: an even spread (k = 1)
+    v = spread(128, 65.0, 27, 139)  # a long tail, as a scratchpad step has: most below the mean, some up to 139
+    assert v == sorted(v) and (v[0], v[-1]) == (27, 139) and len(v) == 128
+    assert sum(v) / 128 == pytest.approx(65.0, abs=0.5) and len(set(v)) > 50 and v[64] < 65
+    assert spread(4, 3.0, 3, 3) == [3, 3, 3, 3] and spread(1, 7.0, 7, 7) == [7]

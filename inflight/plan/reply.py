@@ -1,0 +1,170 @@
+"""Per-group reply work (`inflight profile`): what a group costs outside decoding, timed on the real code paths.
+
+On a GPU cluster this is noise; on a few shared CPU cores it is a tenth of a step or more: the real loop spends
+milliseconds per group turning finished sequences into a JSON reply, parsing it, scoring it and streaming it.
+
+    server   a real `inflight serve` (the launcher's own command line for the config) answers groups of the
+             config's group size, every completion exactly L tokens (ignore_eos): the CPU time of its main
+             thread, the event loop that parses the request, detokenises, builds the logprob lists and encodes the
+             JSON while the engine thread decodes (it shares the interpreter: the engine waits meanwhile);
+    actor    the real actor (open_actor: the config's task, reward service and server pool, a MemoryStream)
+             generating rounds of those groups: the CPU time of this process (event loop, HTTP client, reply
+             parsing, samples, msgpack and the stream put) plus its reward workers';
+    trainer  reading the groups back (stream get + decode), the trainer's side of the stream.
+
+CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
+engine thread and is in the decode curve already. Each role is timed at two lengths L1 < L2 and written as
+seconds per group + seconds per completion token (a line through the two points, each cost >= 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+def thread_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of one thread (tid) or of every thread of a process, from /proc (0.0 when it has exited)."""
+    tasks = [str(tid)] if tid is not None else _listdir(f"/proc/{pid}/task")
+    total = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of `pid` (the reward service's workers)."""
+    out = []
+    for name in _listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command name in parentheses
+            out.append(int(name))
+    return out
+
+
+@dataclass
+class ReplyCost:
+    """CPU seconds per group at one completion length (every completion of the group `length` tokens)."""
+
+    length: int
+    group_size: int
+    groups: int
+    server_s: float  # the server's main thread
+    actor_s: float  # the actor's process
+    reward_s: float  # the reward workers (counted with the actor)
+    trainer_s: float  # stream get + decode
+    wall_s: float  # the round, for the record
+
+    @property
+    def tokens(self) -> int:
+        return self.length * self.group_size
+
+
+def line(a: ReplyCost, b: ReplyCost, pick: str) -> tuple[float, float]:
+    """(seconds per group, seconds per completion token) through the two points, both >= 0."""
+    ya, yb = getattr(a, pick), getattr(b, pick)
+    per_token = max(0.0, (yb - ya) / (b.tokens - a.tokens)) if b.tokens != a.tokens else 0.0
+    per_group = max(0.0, ya - per_token * a.tokens)
+    if per_group == 0.0 and a.tokens:  # the line would cross below zero: keep it through the first point
+        per_token = ya / a.tokens
+    return per_group, per_token
+
+
+def fixed_length_rollout(length: int) -> Any:
+    """The default rollout (actor/rollout.py), every completion exactly `length` tokens."""
+    async def rollout(ts: Any, client: Any, cfg: Any) -> list:
+        kw = {"max_tokens": length, "ignore_eos": True}
+        if cfg.use_n:
+            completions = await client.chat(ts.messages, n=cfg.group_size, **kw)
+        else:
+            parts = await asyncio.gather(*(client.chat(ts.messages, n=1, **kw) for _ in range(cfg.group_size)))
+            completions = [c for p in parts for c in p]
+        return [client.to_sample(ts, c) for c in completions]
+
+    return rollout
+
+
+async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int], groups: int) -> list[ReplyCost]:
+    import multiprocessing as mp
+
+    from inflight.actor.run import make_rewards, open_actor
+    from inflight.streams.memory import MemoryStream
+
+    me = os.getpid()
+    stream = MemoryStream(capacity=4 * groups, ctx=mp.get_context("spawn"))
+    rewards = make_rewards(cfg)
+    await asyncio.to_thread(rewards.start)
+    out = []
+    try:
+        # one actor for all rounds, as in a run: its connections and the servers' model name stay open
+        async with open_actor(cfg, [url], stream, rollout=fixed_length_rollout(lengths[0]), rewards=rewards) as actor:
+            for length in [lengths[0], *lengths]:  # the first round warms up (connections, caches, workers)
+                actor.rollout = fixed_length_rollout(length)
+                workers = [p for p in children_of(me) if p != server_pid]  # reward workers (+ mp's helpers)
+                s0, a0, r0, w0 = (thread_cpu_s(server_pid, server_pid), time.process_time(),
+                                  sum(thread_cpu_s(p) for p in workers), time.perf_counter())
+                await actor.generate_round(groups)
+                wall = time.perf_counter() - w0
+                t0 = time.thread_time()
+                got = 0
+                while got < groups:
+                    batch = stream.get(groups - got, timeout_s=30.0)
+                    if not batch:
+                        raise RuntimeError(f"the stream gave {got} of {groups} groups in 30 s")
+                    got += len(batch)
+                trainer = time.thread_time() - t0
+                s1, a1, r1 = (thread_cpu_s(server_pid, server_pid), time.process_time(),
+                              sum(thread_cpu_s(p) for p in workers))
+                out.append(ReplyCost(length, cfg.actor.group_size, groups, (s1 - s0) / groups,
+                                     (a1 - a0 - trainer) / groups, (r1 - r0) / groups, trainer / groups, wall))
+    finally:
+        await asyncio.to_thread(rewards.close)
+        stream.close()
+    return out[1:]
+
+
+def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None, groups: int = 0) -> list[ReplyCost]:
+    """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
+    completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
+    worth). `cfg`: RunConfig, built-in engine (the server's main thread is read from /proc)."""
+    from inflight.engine.serve import ServerProcess
+    from inflight.host import free_port
+    from inflight.pipeline.launch_common import server_command, thread_env
+
+    cfg = copy.deepcopy(cfg)
+    a = cfg.actor
+    top = a.max_new_tokens
+    lengths = lengths or (max(1, top // 4), top)
+    groups = groups or 2 * a.groups_per_step
+    cfg.actor.eval_every = 0
+    cfg.actor.version_gate = False  # no trainer publishes here: a request must not wait for weights that never come
+    cfg.pipeline.max_steps = cfg.pipeline.max_samples = 0
+    cfg.pipeline.max_minutes = 0
+    cfg.server.base_port = free_port()
+    argv = server_command(cfg, 0)  # as the launcher starts it: [python, -m, ..., --model M, --host H, --port P, ...]
+    at = argv.index("--model")
+    host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+    with ServerProcess(argv[at + 1], host=host, port=port, command=argv[:at], extra_args=argv[at + 6:],
+                       env=thread_env(cfg.server.threads)) as server:
+        return asyncio.run(_rounds(cfg, server.url, server.proc.pid, list(lengths), groups))
