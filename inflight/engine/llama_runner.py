@@ -25,6 +25,11 @@ In float32 with packing, an update does not re-pack inside the pause (re-packing
 of its bytes, and the pause answers the push): the pause points the generator at the new master tensors, correct at
 once and only unpacked (10-20% slower matmuls), and a background thread re-packs them; the packed weights are swapped
 in at the next step boundary, unless another update came meanwhile (then they are dropped and re-packed again).
+
+Staged updates (CPU, `double_buffer`): a full shared-memory update is copied by `stage()` into spare storage while
+the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, and
+the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
+update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off.
 """
 
 from __future__ import annotations
