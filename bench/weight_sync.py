@@ -11,11 +11,11 @@ streaming generation in flight. The trainer side (this process) pushes new weigh
 transport in turn, `--pushes` times each: the gloo process group with one broadcast per tensor (`per_tensor`) and
 with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safetensors file under /dev/shm (`file`),
 and the shared-memory segment (`shm`). Per push it records: the push's wall time (announce + transfer + the server's
-answer), the server's own paused seconds, and the time until the streaming request's first token tagged with the new
-version arrives ("until generating"); pushes are `--gap-s` apart, as between optimizer steps. The baseline is a
-memory copy of the same bytes in this process into buffers that already exist (a `memcpy`; a copy into fresh
-memory, `clone`, pays the page faults too and is printed beside it). The goal for the shm transport: push <= 2 x
-memory copy + 0.1 s. Medians and min-max are printed.
+answer; for shm also its first part, the trainer writing the segment), the server's own paused seconds, and the time
+until the streaming request's first token tagged with the new version arrives ("until generating"); pushes are
+`--gap-s` apart, as between optimizer steps. The baseline is a memory copy of the same bytes in this process into
+buffers that already exist (a `memcpy`; a copy into fresh memory, `clone`, pays the page faults too and is printed
+beside it). The goal for the shm transport: push <= 2 x memory copy + 0.1 s. Medians and min-max are printed.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
                 label = f"process group, {bucket_mb:g} MB buckets" if transport == "bucketed" else \
                     "process group, per tensor" if transport == "per_tensor" else transport
                 rows.append(dict(backend=name, transport=label, push_s=t_push, until_generating_s=t_gen,
-                                 pause_s=max(stats["pause_s"].values()),
+                                 pause_s=max(stats["pause_s"].values()), write_s=stats.get("write_s"),
                                  bytes=sum(t.numel() * t.element_size() for _, t in weights)))
     finally:
         watcher.stop()
@@ -160,18 +160,19 @@ def summarize(rows: list[dict], copy_s: tuple[float, float]) -> None:
     print(f"\n{nbytes / 2**20:.1f} MiB per update; memory copy of the same bytes: {into * 1e3:.2f} ms into existing "
           f"buffers ({nbytes / into / 1e9:.2f} GB/s), {fresh * 1e3:.2f} ms into fresh memory; "
           f"goal 2 x copy + 0.1 s = {2 * into + 0.1:.3f} s\n")
-    print("| backend | transport | push s | until generating s | server paused s | push GB/s | push / copy |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | transport | push s | of which writing the segment s | until generating s | server paused s | "
+          "push GB/s | push / copy |")
+    print("|---|---|---|---|---|---|---|---|")
     keys = list(dict.fromkeys((r["backend"], r["transport"]) for r in rows))  # in the order they ran
     for b, t in keys:
         sel = [r for r in rows if (r["backend"], r["transport"]) == (b, t)]
 
         def med(k: str) -> str:
-            v = [r[k] for r in sel]
-            return f"{statistics.median(v):.3f} ({min(v):.3f}–{max(v):.3f})"
+            v = [r[k] for r in sel if r[k] is not None]
+            return f"{statistics.median(v):.3f} ({min(v):.3f}–{max(v):.3f})" if v else "–"
 
         push = statistics.median(r["push_s"] for r in sel)
-        print(f"| {b} | {t} | {med('push_s')} | {med('until_generating_s')} | {med('pause_s')} | "
+        print(f"| {b} | {t} | {med('push_s')} | {med('write_s')} | {med('until_generating_s')} | {med('pause_s')} | "
               f"{nbytes / push / 1e9:.2f} | {push / into:.1f}× |")
 
 

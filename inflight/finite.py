@@ -5,6 +5,10 @@ summed on the device, and one `bool()` reads the answer: on a GPU that is a hand
 synchronisation for the whole update (the per-tensor `isfinite(t).all()` it replaces synchronised once per tensor,
 ~340 times for a 1.5B model). Only a non-finite total looks at each tensor exactly, to name the bad ones; huge finite
 values whose sum overflows pass there. Only torch is imported: vLLM's workers use it in vLLM's environment.
+
+`copy_summed` is the same check fused into a copy: a tensor copied chunk by chunk, each chunk summed while it is
+still in the cache, costs a copy and not a copy plus a second pass over memory (the built-in engine's staged
+shared-memory updates: llama_runner.LlamaRunner.stage).
 """
 
 from __future__ import annotations
@@ -12,6 +16,26 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+
+
+CHUNK_BYTES = 1 << 19  # half of this CPU's 1 MiB L2 per core (measured: 1.3x a bare copy, vs 1.5x copy + sum)
+
+
+def copy_summed(dst: torch.Tensor, src: torch.Tensor, sums: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for a contiguous dst of src's shape and dtype, appending the float32 sum of each chunk to
+    `sums` (`finite_sums(sums)` then says whether everything copied was finite, as nonfinite() does)."""
+    d, s = dst.view(-1), src.reshape(-1)
+    step = max(1, CHUNK_BYTES // max(1, d.element_size()))
+    for i in range(0, d.numel(), step):
+        chunk = d[i: i + step]
+        chunk.copy_(s[i: i + step])
+        sums.append(chunk.sum(dtype=torch.float32))
+
+
+def finite_sums(sums: list[torch.Tensor]) -> bool:
+    """True when the total of `sums` is finite (a NaN/Inf anywhere makes it non-finite; huge finite values may
+    overflow it: then look at the tensors with nonfinite() before refusing anything)."""
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:

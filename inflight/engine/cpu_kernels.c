@@ -247,3 +247,15 @@ void sample_rows(const float* logits, int64_t B, int64_t V, const float* temp, c
     logprobs[b] = (x[tok] - mx) * inv_t - logf(sum);
   }
 }
+
+/* dst = src, n float32 values as their bits, and *bad = how many are NaN or +-Inf (every exponent bit set): a staged
+   weight update (LlamaRunner.stage) is copied and checked in one pass over memory instead of a copy and a read. */
+void copy_count_nonfinite(const uint32_t* restrict src, uint32_t* restrict dst, int64_t n, int64_t* bad) {
+  int64_t b = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t x = src[i];
+    dst[i] = x;
+    b += (x & 0x7f800000u) == 0x7f800000u;
+  }
+  *bad = b;
+}

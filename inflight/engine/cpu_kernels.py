@@ -32,6 +32,7 @@ _SIGNATURES = {
     "cached_attention": [_P, _I, _P, _P, _I, _I, _P, _P, _I, _I, _I, _I, _F, _P, _P],
     "silu_mul": [_P, _I, _I, _P],
     "sample_rows": [_P, _I, _I, _P, _P, _P, _P, _P],
+    "copy_count_nonfinite": [_P, _P, _I, _P],
 }
 
 
@@ -95,3 +96,9 @@ class Kernels:
         self.lib.sample_rows(logits.data_ptr(), B, V, temperature.data_ptr(), u.data_ptr(), tokens.data_ptr(),
                              logprobs.data_ptr(), scratch.data_ptr())
         return tokens, logprobs
+
+    def copy_finite(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """dst.copy_(src) for contiguous float32 tensors of one size; True when every value copied was finite."""
+        bad = torch.zeros(1, dtype=torch.int64)
+        self.lib.copy_count_nonfinite(src.data_ptr(), dst.data_ptr(), dst.numel(), bad.data_ptr())
+        return int(bad) == 0

@@ -25,6 +25,11 @@ In float32 with packing, an update does not re-pack inside the pause (re-packing
 of its bytes, and the pause answers the push): the pause points the generator at the new master tensors, correct at
 once and only unpacked (10-20% slower matmuls), and a background thread re-packs them; the packed weights are swapped
 in at the next step boundary, unless another update came meanwhile (then they are dropped and re-packed again).
+
+Staged updates (CPU, `double_buffer`): a full shared-memory update is copied by `stage()` into spare storage while
+the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, and
+the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
+update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from inflight import finite
 from inflight.engine import cpu_kernels
 from inflight.engine import precision as prec
 from inflight.engine.step import StepPlan
@@ -109,6 +115,24 @@ class LlamaRunner:
                 ln2=layer.post_attention_layernorm.weight, w_gu=w_gu, wd=mlp.down_proj.weight,
                 inter=mlp.gate_proj.out_features,
             ))
+        # the embedding and an untied output layer: one "block" each (layer -1), their Parameter re-pointed by swap()
+        embed, head = self.inner.embed_tokens.weight, model.lm_head.weight
+        self.members[(-1, "embed")] = [(embed, 0, embed.shape[0])]
+        if head is not embed:
+            self.members[(-1, "head")] = [(head, 0, head.shape[0])]
+        # staged updates (stage()): on CPU the storage a swap() replaced is kept and written by the next update, so
+        # a full update is copied while the engine generates and the pause only re-points (one more model copy
+        # of memory; on a GPU the memory is dearer and updates are copied in the pause as before)
+        self.double_buffer = self.device.type == "cpu" and os.environ.get("INFLIGHT_STAGE_UPDATES", "1") != "0"
+        self._spares: dict[tuple[int, str], torch.Tensor] = {}
+        if self.double_buffer:  # the loaded weights are a private mapping of the checkpoint file (safetensors):
+            # the first write into a page copies it from the file (measured: the second staged update of a 538 MB
+            # model, into that storage, took as long as the first into fresh memory); the fused ones are copies
+            for (li, key), ms in self.members.items():
+                if li < 0 or key in ("wo", "wd"):
+                    ms[0][0].data = ms[0][0].data.clone()
+        lib = cpu_kernels.load() if kernels and self.double_buffer else None
+        self._copier = cpu_kernels.Kernels(lib) if lib is not None else None  # copy + NaN/Inf count in one pass
         # rope table for every position, from the HF module itself (so rope scaling matches exactly);
         # sin carries rotate_half's sign, so rope(x) = x * cos + cat(x2, x1) * sin_signed
         pos = torch.arange(max_model_len, device=self.device)[None]
@@ -158,12 +182,10 @@ class LlamaRunner:
                 self._repacker = _Repacker()
             self._repacker.request(self.weight_builds, args)
 
-    def prepare_swap(self, tensors: dict[str, torch.Tensor]) -> tuple[list, dict[str, torch.Tensor]]:
-        """Off the engine thread: new storage for every block matrix that `tensors` (HF names) touch, fused as the
-        forward reads it (a fused q|k|v or gate|up takes its untouched members from the current weights), and the
-        tensors no block matrix holds (to be copied in by load_weights). Reads the weights, changes nothing."""
-        by_param = {id(p): (where, a, b) for where, ms in self.members.items() for p, a, b in ms}
-        touched: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    def _blocks(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """{block: {id(HF parameter): (name, tensor)}} for the tensors that a block's storage holds, and the rest."""
+        by_param = {id(p): where for where, ms in self.members.items() for p, _, _ in ms}
+        touched: dict[tuple[int, str], dict[int, tuple[str, torch.Tensor]]] = {}
         rest = {}
         params = dict(self.model.named_parameters())
         for name, t in tensors.items():
@@ -171,24 +193,80 @@ class LlamaRunner:
             if p is None or id(p) not in by_param:
                 rest[name] = t
             else:
-                touched.setdefault(by_param[id(p)][0], {})[id(p)] = t
+                touched.setdefault(by_param[id(p)], {})[id(p)] = (name, t)
+        return touched, rest
+
+    def _storage(self, where: tuple[int, str]) -> torch.Tensor:
+        """The block's storage as a plain tensor (o_proj / down_proj start as the HF Parameter itself, whose .data
+        a swap re-points: a reference to the Parameter would follow it to the new storage)."""
+        li, key = where
+        return (self.layers[li][key] if li >= 0 else self.members[where][0][0]).data
+
+    def prepare_swap(self, tensors: dict[str, torch.Tensor]) -> tuple[list, dict[str, torch.Tensor]]:
+        """Off the engine thread: new storage for every block matrix that `tensors` (HF names) touch, fused as the
+        forward reads it (a fused q|k|v or gate|up takes its untouched members from the current weights), and the
+        tensors no block matrix holds (to be copied in by load_weights). Reads the weights, changes nothing."""
+        touched, rest = self._blocks(tensors)
         prepared = []
         with torch.no_grad():
-            for (li, key), new_rows in touched.items():
-                cur = self.layers[li][key]
+            for where, new_rows in touched.items():
+                cur = self._storage(where)
                 new = torch.empty_like(cur, memory_format=torch.contiguous_format)
-                for p, a, b in self.members[(li, key)]:
-                    new[a:b].copy_(new_rows.get(id(p), cur[a:b]))  # a private copy: W0 tensors are never aliased
-                prepared.append((li, key, new))
+                for p, a, b in self.members[where]:
+                    # a private copy: W0 tensors are never aliased
+                    new[a:b].copy_(new_rows[id(p)][1] if id(p) in new_rows else cur[a:b])
+                prepared.append((where, new))
         return prepared, rest
+
+    def stage(self, tensors: dict[str, torch.Tensor], check_finite: bool = True) -> tuple[list, dict, list[str]]:
+        """Off the engine thread, a full update (`tensors`: HF names, the model's dtypes): as prepare_swap, but
+        written into the storage the previous swap() let go (no fresh pages: faulting in 538 MB cost more than
+        copying it), and checked for NaN/Inf as it is copied, in one pass (the C kernel for float32, else
+        finite.copy_summed: chunks summed while in cache). Returns (prepared for swap(), the tensors left to
+        load_weights, names of the staged tensors holding NaN/Inf: then nothing may be swapped in). The engine
+        never reads a spare: the weights it computes with do not change here."""
+        touched, rest = self._blocks(tensors)
+        prepared, bad, sums, summed = [], [], [], []
+        with torch.no_grad():
+            for where, new_rows in touched.items():
+                cur = self._storage(where)
+                spare = self._spares.get(where)
+                if (spare is None or spare.shape != cur.shape or spare.dtype != cur.dtype
+                        or spare.data_ptr() == cur.data_ptr()):
+                    spare = self._spares[where] = torch.empty_like(cur, memory_format=torch.contiguous_format)
+                for p, a, b in self.members[where]:
+                    if id(p) not in new_rows:
+                        spare[a:b].copy_(cur[a:b])  # a partial update: the member keeps its current value
+                        continue
+                    name, t, dst = *new_rows[id(p)], spare[a:b]
+                    if not check_finite:
+                        dst.copy_(t)
+                    elif (self._copier is not None and t.dtype == dst.dtype == torch.float32 and t.device.type == "cpu"
+                          and t.is_contiguous() and dst.is_contiguous()):
+                        if not self._copier.copy_finite(dst, t):
+                            bad.append(name)
+                    else:
+                        finite.copy_summed(dst, t, sums)
+                        summed.append((name, dst))
+                prepared.append((where, spare))
+        if not finite.finite_sums(sums):  # or huge finite values overflowed the sum: look at each tensor
+            bad += [n for n, v in summed if not bool(torch.isfinite(v).all())]
+        return prepared, rest, bad
 
     def swap(self, prepared: list) -> None:
         """Inside the pause: point the forward and the HF parameters at the prepared storage (no copy); the caller
-        then runs after_weight_update (load_weights does) so the generator's weights follow."""
-        for li, key, new in prepared:
-            self.layers[li][key] = new
-            for p, a, b in self.members[(li, key)]:
+        then runs after_weight_update (load_weights does) so the generator's weights follow. With double_buffer
+        the storage let go is kept as the block's spare: nothing reads it any more (the generator is rebuilt, a
+        background re-pack of it is dropped as stale), so stage() may write it."""
+        for where, new in prepared:
+            old = self._storage(where)
+            li, key = where
+            if li >= 0:
+                self.layers[li][key] = new
+            for p, a, b in self.members[where]:
                 p.data = new[a:b]  # still one storage per fused matrix: in-place updates keep reaching the forward
+            if self.double_buffer:
+                self._spares[where] = old
 
     def install_packed(self) -> bool:
         """At a step boundary: swap in the packed weights of the current master, if the background has them."""

@@ -10,9 +10,13 @@ so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
 received and before anything is applied: the weights stay as they were. The check is one fused reduction per update
 (one host sync, not one per tensor); only a non-finite total looks at each tensor, to name them.
-A shared-memory update is not copied twice: its header is checked at once (format, version, the announcement's
-digest), the segment is mapped and checked for NaN/Inf while the engine keeps generating, and the pause copies the
-tensors from the segment straight into the model (the trainer writes the segment only after every server answered).
+A shared-memory update is copied once by the server: its header is checked at once (format, version, the
+announcement's digest) and the segment is mapped. On the built-in llama path on CPU (`runner.double_buffer`) the
+tensors are then copied into the runner's spare storage while the engine keeps generating, checked for NaN/Inf in
+the same pass (`LlamaRunner.stage`), and the pause only re-points the model at that storage (measured on SmolLM2's
+538 MB: the copy in the pause, and the wait for the step boundary before it, were most of a push; docs/benchmarks.md);
+elsewhere the segment is checked for NaN/Inf in place and the pause copies the tensors from it into the model. Either
+way the trainer writes the segment again only after every server answered.
 
 A new `/init_process_group` supersedes a receive still blocked on the old group: the trainer forms a group again
 only after it gave up on the old one, and a gloo receive whose sender is gone may not fail before the group timeout.
@@ -136,8 +140,12 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     """Raise WeightUpdateError naming the tensors that hold NaN or Inf (one fused reduction: inflight/finite.py)."""
     bad = nonfinite(tensors)
     if bad:
-        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
+        refuse_nonfinite(bad)
+
+
+def refuse_nonfinite(bad: list[str]) -> None:
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
 
 
 def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -210,25 +218,34 @@ class WeightReceiver:
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
                 check_tensors(tensors, self.engine.param_specs(), self.aliases, req.adapter)
-            elif req.shm is not None:  # views of the segment: the pause copies them into the model
+            elif req.shm is not None:  # views of the segment: copied into the model from there
                 tensors = await asyncio.to_thread(self._map_shm, req)
             else:  # received while the engine keeps generating (on the old weights); it pauses only to apply
                 tensors = await self._receive_unless_superseded(req.params or [], self._receive_specs(req),
                                                                 req.version, req.bucket_bytes)
+            adapter, prepared, unstaged = req.adapter, [], tensors
+            runner = self.engine.runner
+            if req.shm is not None and adapter is None and getattr(runner, "double_buffer", False):
+                # copied (and checked) into the runner's spare storage while the engine generates: the pause
+                # only re-points the model at it
+                prepared, unstaged, bad = await asyncio.to_thread(runner.stage, tensors, self.reject_nonfinite)
+                if bad:
+                    refuse_nonfinite(bad)
             if self.reject_nonfinite:  # a broadcast was received whole: the group stays in step
-                await asyncio.to_thread(check_finite, tensors)
+                await asyncio.to_thread(check_finite, unstaged)
             read_s = time.perf_counter() - t0
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             ntensors = len(tensors)
-            adapter, prepared = req.adapter, []
             if adapter is not None:  # merged off the engine thread, into new buffers: the pause only swaps them
                 load = await asyncio.to_thread(self.adapters.merged, dict(self.engine.model.named_parameters()),
                                                tensors, adapter.scaling)
                 prepare = getattr(self.engine.runner, "prepare_swap", None)  # the fast llama path's fused storage
                 if prepare is not None:
                     prepared, load = await asyncio.to_thread(prepare, load)  # what it cannot swap is copied
-            else:
+            else:  # what stage() did not take, and W0 of adapted bases the update leaves out
                 load = self.adapters.with_reverts(tensors)
+                if prepared:
+                    load = {n: t for n, t in load.items() if n in unstaged or n not in tensors}
 
             def apply() -> float:
                 p0 = started[0] = time.perf_counter()
@@ -247,10 +264,12 @@ class WeightReceiver:
         self.updates += 1
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
-                            "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0}
+                            "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0,
+                            "staged": 0 if adapter else len(prepared)}
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
         what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
-                f"{prepare_s:.3f}s)" if adapter else "full")
+                f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged + {len(load)} copied"
+                if prepared else "full")
         log.info("weight update v%d: %s, %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (received in "
                  "%.3fs, waited %.3fs for a step boundary)", req.version, transport, what, ntensors, nbytes / 1e6,
                  req.mode, pause_s, total_s, read_s, started[0] - asked)

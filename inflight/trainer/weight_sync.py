@@ -114,6 +114,7 @@ class WeightSyncClient:
         self.device = cuda_device(device)
         self._shm = ShmWriter(self.shm_dir) if transport == "shm" else None
         self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
+        self.last_write_s = 0.0  # seconds the last shm push took to write its segment
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
         self._buckets: list[torch.Tensor] = []  # its packing buffers, reused while the announcement stays the same
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -203,8 +204,11 @@ class WeightSyncClient:
         log.info("pushed v%d%s: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version,
                  " (adapter)" if extra else "", len(tensors), nbytes / 1e6, seconds,
                  nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
-        return {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
-                "num_tensors": len(tensors), "adapter": bool(extra)}
+        out = {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
+               "num_tensors": len(tensors), "adapter": bool(extra)}
+        if self.transport == "shm":
+            out["write_s"] = self.last_write_s  # of `seconds`: writing the segment
+        return out
 
     def _check_adapter(self, tensors: list[tuple[str, torch.Tensor]], extra: dict) -> None:
         """An adapter update's names, ranks and shapes, before anything is sent (the servers check them too)."""
@@ -347,10 +351,12 @@ class WeightSyncClient:
             infos = [ParamInfo(**p) for p in params]
             self._shm_layout = (announced[2], *shm_layout(infos), announcement_digest(infos))
         _, offsets, data_bytes, digest = self._shm_layout
+        t0 = time.perf_counter()
         try:
             segment = self._shm.write(tensors, dtypes, offsets, data_bytes, version, digest)
         except ShmError as e:
             raise WeightSyncError(str(e)) from None
+        self.last_write_s = time.perf_counter() - t0
         body = {"version": version, "mode": mode, "params": params, "shm": segment, **extra}
         try:
             if self.precheck and announced != self._accepted:

@@ -240,3 +240,20 @@ def test_sample_rows_match_float64_inverse_cdf_and_torch_sampler(K):
     assert (t_tok != tokens).sum() <= 1  # a boundary case at most
     same = t_tok == tokens
     assert (t_lp[same] - logprobs[same]).abs().max() < 1e-5
+
+
+def test_copy_finite_copies_every_bit_and_counts_nan_and_inf(K):
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(10_007, generator=g)
+    src[:6] = torch.tensor([3.4e38, -3.4e38, 1e-45, -0.0, 1e-40, 0.0])  # extremes, denormals, signed zero: finite
+    dst = torch.full_like(src, 7.0)
+    assert K.copy_finite(dst, src) and torch.equal(dst.view(torch.int32), src.view(torch.int32))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        s = src.clone()
+        s[-1] = bad  # the loop's tail, past any vector width
+        assert not K.copy_finite(dst, s) and torch.equal(dst.view(torch.int32), s.view(torch.int32))
+    s = src.clone()
+    s[100] = float("nan")
+    s[200] = float("inf")
+    assert not K.copy_finite(dst, s)
+    assert K.copy_finite(dst[:0], src[:0])  # nothing to copy

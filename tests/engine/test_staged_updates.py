@@ -1,0 +1,174 @@
+"""Staged shared-memory updates on the built-in llama path (LlamaRunner.stage): the update is copied into the
+runner's spare storage while the engine runs and the pause only re-points the model at it. A real engine, a real
+WeightReceiver and a real segment written by the trainer's ShmWriter; exact comparisons of the weights, and the
+engine's logprobs against a float64 HF forward (tests/engine/test_precision.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from inflight.contracts import ParamInfo, WeightUpdateRequest, shm_layout
+from inflight.engine.core import InferenceEngine
+from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
+from inflight.finite import copy_summed, finite_sums
+from inflight.shm_weights import ShmWriter, announcement_digest
+from tests.engine.test_precision import BOUND, _errors, _generate, _new_weights, sharp_model_dir  # noqa: F401
+from tests.test_lora_push import Q0, make_adapter
+
+torch.set_num_threads(1)
+
+
+def shm_push(receiver: WeightReceiver, writer: ShmWriter, weights: dict[str, torch.Tensor], version: int) -> dict:
+    """What WeightSyncClient does for transport=shm, minus HTTP: write the segment, hand its announcement over."""
+    params = [ParamInfo(name=n, shape=list(t.shape), dtype="float32") for n, t in weights.items()]
+    offsets, data_bytes = shm_layout(params)
+    seg = writer.write(list(weights.items()), ["float32"] * len(params), offsets, data_bytes, version,
+                       announcement_digest(params))
+    return asyncio.run(receiver.update(WeightUpdateRequest(version=version, params=params, shm=seg)))
+
+
+def perturbed(eng: InferenceEngine, seed: int) -> dict[str, torch.Tensor]:
+    """New values for every parameter the update carries (a tied alias travels under its canonical name)."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in eng.model.named_parameters()
+            if n not in eng.tied_aliases}
+
+
+def model_equals(eng: InferenceEngine, weights: dict[str, torch.Tensor]) -> bool:
+    params = dict(eng.model.named_parameters())
+    return all(torch.equal(params[n], t) for n, t in weights.items())
+
+
+def storage(eng: InferenceEngine) -> dict:
+    return {where: eng.runner._storage(where).data_ptr() for where in eng.runner.members}
+
+
+@pytest.fixture()
+def engine(tied_model_dir, tmp_path):
+    eng = InferenceEngine(str(tied_model_dir), max_batch=2, max_model_len=64)
+    writer = ShmWriter(str(tmp_path))
+    eng.start()
+    yield eng, WeightReceiver(eng), writer
+    eng.stop()
+    writer.discard()
+
+
+def test_staged_updates_are_exact_and_reuse_the_spare_storage(engine):
+    eng, receiver, writer = engine
+    runner = eng.runner
+    assert runner.double_buffer and (-1, "embed") in runner.members and (-1, "head") not in runner.members  # tied
+    at_start = storage(eng)
+    w1 = perturbed(eng, seed=1)
+    shm_push(receiver, writer, w1, version=1)
+    assert eng.version == 1 and model_equals(eng, w1)
+    assert "staged" in receiver.last_update and receiver.last_update["staged"] == len(runner.members)
+    first = storage(eng)
+    assert all(first[w] != at_start[w] for w in first)  # every block was swapped, none copied in the pause
+    L = runner.layers[0]  # the fused matrices the forward reads hold the new q|k|v and gate|up
+    assert torch.equal(L["w_qkv"], torch.cat([w1[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qkv"]))
+    assert torch.equal(L["w_gu"], torch.cat([w1[f"model.layers.0.mlp.{m}_proj.weight"] for m in ("gate", "up")]))
+    assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight  # the tied head follows the embedding
+    w2 = perturbed(eng, seed=2)
+    shm_push(receiver, writer, w2, version=2)
+    assert eng.version == 2 and model_equals(eng, w2)
+    assert storage(eng) == at_start  # the second update went into the storage the first one let go: no new memory
+    # the model holds its own copy: writing the segment again (no update announced) changes nothing
+    params = [ParamInfo(name=n, shape=list(t.shape), dtype="float32") for n, t in w1.items()]
+    offsets, data_bytes = shm_layout(params)
+    writer.write(list(w1.items()), ["float32"] * len(params), offsets, data_bytes, 3, announcement_digest(params))
+    assert model_equals(eng, w2)
+
+
+@pytest.mark.parametrize("kernel", [True, False])  # the C copy-and-count, or torch chunks summed while copied
+@pytest.mark.parametrize("where", ["model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight",
+                                   "model.layers.0.input_layernorm.weight"])  # staged, staged, copied in the pause
+def test_a_nonfinite_staged_update_is_refused_and_changes_nothing(engine, where, kernel):
+    eng, receiver, writer = engine
+    if kernel and eng.runner._copier is None:
+        pytest.skip("no C compiler: the C kernels are not built")
+    if not kernel:
+        eng.runner._copier = None
+    w1 = perturbed(eng, seed=3)
+    shm_push(receiver, writer, w1, version=1)
+    for v, bad in ((2, float("nan")), (3, float("inf"))):
+        poisoned = perturbed(eng, seed=4)
+        poisoned[where].view(-1)[5] = bad
+        with pytest.raises(WeightUpdateError, match=rf"NaN or Inf values in \['{where}'\]"):
+            shm_push(receiver, writer, poisoned, version=v)  # the same segment, reused
+        assert eng.version == 1 and model_equals(eng, w1)
+    w4 = perturbed(eng, seed=5)  # the spares a refused update wrote into are fully written again
+    shm_push(receiver, writer, w4, version=4)
+    assert eng.version == 4 and model_equals(eng, w4)
+
+
+def test_a_partial_update_keeps_the_other_members_of_a_fused_block(engine):
+    eng, receiver, writer = engine
+    w1 = perturbed(eng, seed=6)
+    shm_push(receiver, writer, w1, version=1)
+    new_q = {Q0: w1[Q0] + 1.0}
+    shm_push(receiver, writer, new_q, version=2)
+    assert model_equals(eng, {**w1, **new_q})
+    assert torch.equal(eng.runner.layers[0]["w_qkv"], torch.cat(
+        [new_q[Q0]] + [w1[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "kv"]))
+
+
+def test_a_full_update_after_an_adapter_reverts_what_it_leaves_out(engine, tmp_path):
+    """An adapted base that the staged full update does not list goes back to W0 (copied in the pause, into the
+    block's new storage); the adapted block's other members take the update."""
+    eng, receiver, writer = engine
+    w0 = perturbed(eng, seed=7)
+    shm_push(receiver, writer, w0, version=1)
+    adapter = make_adapter(w0, [Q0], rank=2, seed=8)
+    save_file(adapter, str(tmp_path / "a.safetensors"))
+    asyncio.run(receiver.update(WeightUpdateRequest(version=2, path=str(tmp_path / "a.safetensors"),
+                                                    adapter={"rank": 2, "scaling": 1.0})))
+    assert not model_equals(eng, {Q0: w0[Q0]})
+    full = {n: t for n, t in perturbed(eng, seed=9).items() if n != Q0}
+    shm_push(receiver, writer, full, version=3)
+    assert model_equals(eng, {**full, Q0: w0[Q0]})
+
+
+def test_staged_updates_generate_with_the_new_weights(sharp_model_dir, tmp_path):
+    """Logprobs after a staged update (and after the next one, into the reused storage) match a float64 forward
+    of the pushed weights; the first update is pushed while a generation runs."""
+    eng = InferenceEngine(str(sharp_model_dir), max_batch=4, max_model_len=64)
+    receiver, writer = WeightReceiver(eng), ShmWriter(str(tmp_path))
+    eng.start()
+    try:
+        w1, w2 = _new_weights(sharp_model_dir, seed=1), _new_weights(sharp_model_dir, seed=2)
+
+        async def during_generation():
+            gen = asyncio.ensure_future(_generate(eng, temperature=1.0))
+            await asyncio.to_thread(shm_push, receiver, writer, w1, 1)
+            await gen
+
+        asyncio.run(during_generation())
+        after1 = asyncio.run(_generate(eng, temperature=1.0))
+        shm_push(receiver, writer, w2, version=2)
+        after2 = asyncio.run(_generate(eng, temperature=1.0))
+    finally:
+        eng.stop()
+        writer.discard()
+    assert max(_errors(sharp_model_dir, w1, after1)) <= BOUND["float32"][1]
+    assert max(_errors(sharp_model_dir, w2, after2)) <= BOUND["float32"][1]
+    assert _errors(sharp_model_dir, w1, after2)[0] > 1e-2  # the two updates really differ
+
+
+def test_copy_summed_is_a_copy_and_a_finite_check():
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(3 * (1 << 17) + 7, generator=g)  # several chunks and a short last one
+    dst, sums = torch.empty_like(src), []
+    copy_summed(dst, src, sums)
+    assert torch.equal(dst, src) and len(sums) > 1 and finite_sums(sums)
+    assert abs(torch.stack(sums).double().sum().item() - src.double().sum().item()) < 1e-2
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        src2 = src.clone()
+        src2[-1] = bad  # in the last, short chunk
+        sums = []
+        copy_summed(dst, src2, sums)
+        assert not finite_sums(sums)
+    assert finite_sums([])
