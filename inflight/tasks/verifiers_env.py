@@ -212,8 +212,14 @@ class VerifiersEpisode:
         self.tool_calls = 0
         self.done = False
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="inflight-vf-env")
+        self.thread = threading.Thread(target=self._serve, daemon=True, name="inflight-vf-env")
         self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.loop.run_forever()
+        finally:  # close() stopped it: free its selector and self-pipe now, not at garbage collection
+            self.loop.close()
 
     async def _on_loop(self, coro: Any) -> Any:
         """Run `coro` on this episode's loop; a caller's timeout cancels it there."""
