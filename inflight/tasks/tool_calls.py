@@ -24,13 +24,13 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
 
 def tools_system_text(tools: list[dict[str, Any]]) -> str:
-    """The system text that lists `tools` ({name, description, parameters}) and the call format."""
-    lines = ["You may call these tools. To call one, write", "<tool_call>",
-             '{"name": <tool name>, "arguments": <JSON object of arguments>}', "</tool_call>",
-             "and wait for its result. Tools:"]
+    """The system text that lists `tools` ({name, description, parameters}, one compact JSON line each) and how
+    to call them."""
+    lines = ['To call a tool, write <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call> and '
+             "wait for its result. Tools:"]
     for t in tools:
         lines.append(json.dumps({"name": t["name"], "description": t.get("description", ""),
-                                 "parameters": t.get("parameters", {})}, sort_keys=True))
+                                 "parameters": t.get("parameters", {})}, separators=(",", ":")))
     return "\n".join(lines)
 
 

@@ -21,10 +21,10 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
 def calc(expr: str) -> str:
-    """Evaluate an integer expression with + - * and parentheses.
+    """Integer arithmetic.
 
     Args:
-        expr: the expression, e.g. "12*34"
+        expr: e.g. 12*34
     """
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):
