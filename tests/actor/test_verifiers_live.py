@@ -134,9 +134,9 @@ def test_tool_env_through_the_actor(server, tiny_model_dir):
 
 
 def test_inflight_train_runs_a_verifiers_environment(tiny_model_dir, tmp_path):
-    run = tmp_path / "run"
+    run = tmp_path / "vf"  # pipeline.run_dir / name
     proc = run_train([
-        f"model.path={tiny_model_dir}", "name=vf", f"pipeline.run_dir={run}", "server.num_servers=1",
+        f"model.path={tiny_model_dir}", "name=vf", f"pipeline.run_dir={tmp_path}", "server.num_servers=1",
         f"server.base_port={free_base_port(1)}", "server.threads=1", f"pipeline.weight_sync_port={free_port()}",
         "trainer.threads=1", "pipeline.progress=false", "pipeline.tensorboard=false", "task.name=verifiers",
         f"task.env={ENVS}", "task.env_args.kind=retry", "task.env_args.max_turns=2", "task.eval_size=4",
