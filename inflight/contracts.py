@@ -388,7 +388,9 @@ class Environment(Protocol):
     Methods may be plain or async; plain ones run in a worker thread. Every call is bounded by a timeout: an
     environment that hangs or raises ends its episode as failed (reward 0, label `error`), never the actor.
 
-    The episode's reward is the sum of the step rewards given (typically one outcome reward with done=True)."""
+    The episode's reward is the sum of the step rewards given (typically one outcome reward with done=True).
+    An environment may also define `close()` (plain or async): called once when its episode ends, however it
+    ended (done, truncated, failed), under the same timeout."""
 
     def reset(self, sample: TaskSample) -> list[dict[str, str]]:
         """The first messages (the prompt the model answers first)."""

@@ -63,8 +63,8 @@ class ActorMetrics:
 
     def count_episode(self, meta: dict[str, Any]) -> None:
         self.episodes += 1
-        for k in ("turns", "env_tokens", "tool_calls", "tool_errors"):
-            if isinstance(meta.get(k), (int, float)):
+        for k in (*("turns", "env_tokens", "tool_calls", "tool_errors"), *(k for k in meta if k.startswith("vf_"))):
+            if isinstance(meta.get(k), (int, float)):  # vf_*: a verifiers rubric's metrics (tasks/verifiers_env.py)
                 self.episode_sums[k] = self.episode_sums.get(k, 0.0) + float(meta[k])
 
     @property

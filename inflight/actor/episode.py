@@ -22,7 +22,8 @@ ones, listed in meta["turn_rewards"]); the sample comes back with its label set,
 to the reward service. An environment call that raises or runs past `env_timeout_s` ends the episode as failed
 (reward 0, label `error`, meta["env_error"]); the episode's tokens so far are still a valid sample. An episode
 that runs out of turns, tokens (`max_tokens`) or the server's context without `done` is `truncated` (reward 0,
-finish_reason "length", so `algo.truncated: mask` leaves it out of the loss).
+finish_reason "length", so `algo.truncated: mask` leaves it out of the loss). An environment with a `close()`
+method gets it called once when its episode ends, however it ended (bounded by the same timeout).
 """
 
 from __future__ import annotations
@@ -164,6 +165,12 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
         label, rewards, meta["env_error"] = "error", [], str(exc)
         if not prompt_ids:  # reset failed: no tokens at all; the group fails (there is nothing to train)
             raise
+    finally:
+        if callable(getattr(env, "close", None)):  # the environment's own clean-up, however the episode ended
+            try:
+                await _call(lambda _: env.close(), None, ecfg.env_timeout_s)
+            except EnvFailed as exc:
+                log.warning("closing the environment of %s failed: %s", ts.id, exc)
     reward = sum(rewards) if label != "truncated" else 0.0
     meta.update(text=reply, turn_rewards=rewards, **info)
     return Sample(group_id=ts.id, prompt_ids=prompt_ids, completion_ids=ids, logprobs=lps, versions=vers,

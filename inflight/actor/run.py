@@ -85,20 +85,22 @@ async def open_actor(
     from inflight.tasks import get_task
 
     a = run_cfg.actor
+    task = get_task(run_cfg.task)
+    episodes = rollout is default_rollout and hasattr(task, "make_env")  # a multi-turn task: one sample per episode
     pool = ServerPool(
         server_urls, api_key=run_cfg.server.api_key or None, concurrency_per_server=a.concurrency_per_server,
         request_timeout_s=a.request_timeout_s, retries=a.retries, backoff_s=a.backoff_s,
         probe_interval_s=a.probe_interval_s, adapter=a.adapter,
     )
-    own_rewards = rewards is None
+    # episodes come back scored by their environment: no reward service (its workers would build the task again)
+    own_rewards = rewards is None and not episodes
     rewards = make_rewards(run_cfg) if own_rewards else rewards
     max_groups, max_seconds = pipeline_limits(run_cfg)
     if hasattr(rewards, "start"):  # spawn the verifier workers now, not inside the first score() on the loop
         await asyncio.to_thread(rewards.start)
     try:
         r = resume or {}
-        task = get_task(run_cfg.task)
-        if rollout is default_rollout and hasattr(task, "make_env"):  # a multi-turn task: one sample per episode
+        if episodes:
             rollout = await asyncio.to_thread(env_rollout, run_cfg, task)
         yield Actor(a, task, pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
                     max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,

@@ -82,7 +82,13 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
         pool = ServerPool(urls, api_key=cfg.server.api_key or None, adapter=cfg.actor.adapter,
                           request_timeout_s=cfg.actor.request_timeout_s)
         try:
-            return await evaluate(get_task(cfg.task), pool, cfg.actor)
+            task = get_task(cfg.task)
+            episode = None
+            if hasattr(task, "make_env"):  # a multi-turn task: whole episodes, scored by the environment
+                from inflight.actor.run import env_rollout
+
+                episode = env_rollout(cfg, task).episode
+            return await evaluate(task, pool, cfg.actor, episode=episode)
         finally:
             await pool.aclose()
 

@@ -1,12 +1,13 @@
 """Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | arith_tool | math_jsonl |
-reasoning_gym). A task with `make_env` (contracts.EnvTask, e.g. arith_tool) runs multi-turn episodes."""
+reasoning_gym | verifiers). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers) runs multi-turn
+episodes."""
 
 from __future__ import annotations
 
 from inflight.contracts import Task
 from inflight.tasks.config import TaskConfig
 
-TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym")
+TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers")
 
 
 def get_task(cfg: TaskConfig) -> Task:
@@ -27,6 +28,10 @@ def get_task(cfg: TaskConfig) -> Task:
         from inflight.tasks.reasoning_gym_task import ReasoningGymTask
 
         return ReasoningGymTask(cfg)
+    if cfg.name == "verifiers":
+        from inflight.tasks.verifiers_env import VerifiersTask
+
+        return VerifiersTask(cfg)
     raise ValueError(f"unknown task '{cfg.name}'; choose one of {list(TASKS)}")
 
 

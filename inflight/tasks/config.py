@@ -1,9 +1,10 @@
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class TaskConfig:
-    name: str = "arith"  # arith | arith_tool | math_jsonl | reasoning_gym
+    name: str = "arith"  # arith | arith_tool | math_jsonl | reasoning_gym | verifiers
     seed: int = 0
     eval_size: int = 200
     # arith
@@ -27,7 +28,10 @@ class TaskConfig:
     max_turns: int = 4  # model turns per episode
     max_episode_tokens: int = 0  # completion tokens per episode, model + environment; 0 = 2 * max_turns * max_new_tokens
     env_timeout_s: float = 10.0  # an environment call (reset, step: a tool) slower than this fails the episode
-    tool_role: str = "tool"  # arith_tool: the role of the calculator's turn (a template without one: "user")
+    tool_role: str = "tool"  # arith_tool, verifiers: the role of a tool's turn (a template without one: "user")
     # arith_tool: one worked exchange before the question (a question, <calc>12*34</calc>, the tool's 408, \boxed{408}):
     # a small instruct model that has never seen the tool calls it in ~10% of samples with it, ~0-2% without
     tool_demo: bool = False
+    # verifiers: an environment of the verifiers library (tasks/verifiers_env.py; pip install 'inflight-rl[verifiers]')
+    env: str = ""  # the id of an installed environment package, a python module, or a .py file with load_environment
+    env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
