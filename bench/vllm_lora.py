@@ -11,7 +11,7 @@ Two stock servers in turn (`python -m vllm.entrypoints.openai.api_server`, float
 2. no LoRA: greedy decode tokens/s of the plain model, which is what merged weights (the inflight protocol's
    adapter path) decode at.
 Decode tokens/s: `--batch` concurrent requests of `--tokens` tokens each (ignore_eos), total tokens / wall seconds,
-median of 3 rounds after one warm-up. Prints one JSON line.
+median of 2 rounds after one warm-up. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def decode_tps(url: str, model: str, tokens: int, batch: int) -> float:
 
     rates = []
     with cf.ThreadPoolExecutor(batch) as pool:
-        for round_ in range(4):
+        for round_ in range(3):
             t0 = time.perf_counter()
             n = sum(pool.map(one, range(batch)))
             if round_:  # the first round warms up

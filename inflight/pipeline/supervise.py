@@ -71,6 +71,7 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
     import asyncio
 
     from inflight.actor.evaluate import evaluate
+    from inflight.actor.run import served_names
     from inflight.actor.server_pool import ServerPool
     from inflight.tasks import get_task
 
@@ -82,7 +83,8 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
         pool = ServerPool(urls, api_key=cfg.server.api_key or None, adapter=cfg.actor.adapter,
                           request_timeout_s=cfg.actor.request_timeout_s)
         try:
-            return await evaluate(get_task(cfg.task), pool, cfg.actor)
+            # a LoRA run on stock vLLM: the final version's adapter, by name (actor/run.py)
+            return await evaluate(get_task(cfg.task), pool, cfg.actor, served=served_names(cfg), version=version)
         finally:
             await pool.aclose()
 

@@ -180,3 +180,5 @@ def test_inflight_train_with_lora_on_stock_vllm(lora_server, vllm_model_dir, tmp
     evals = records(run, "eval")  # the base model's evaluation ran under version 0, later ones under adapters
     assert [(r["version_min"], r["version_max"]) for r in evals if r.get("base")] == [(0, 0)]
     assert all(r["version_min"] >= 2 for r in evals if not r.get("base"))
+    final = [r for r in evals if r.get("final")]  # the launcher's evaluation of the last version's adapter
+    assert [(r["version_min"], r["version_max"]) for r in final] == [(steps, steps)]
