@@ -107,12 +107,13 @@ class Actor:
         first_group: int = 0,  # resume: index of the first group to start (= prompts already used)
         groups_given_up: int = 0,  # resume: indices below first_group that were never delivered
         min_version: int = -1,  # resume: start nothing before the trainer publishes this version
+        served: Callable[[int], str | None] | None = None,  # stock vLLM LoRA: version -> adapter name (rollout.py)
     ):
         if cfg.max_lag < 0 or cfg.groups_per_step < 1 or cfg.group_size < 1:
             raise ValueError("actor needs max_lag >= 0, groups_per_step >= 1, group_size >= 1")
         self.cfg, self.task, self.pool, self.rewards, self.stream = cfg, task, pool, rewards, stream
         self.rollout = rollout
-        self.client = RolloutClient(pool, cfg, model)
+        self.client = RolloutClient(pool, cfg, model, served=served)
         self.prompts = task.train_samples(seed)
         for _ in range(first_group):  # group k <-> prompt k: continue the prompt order where it was
             next(self.prompts)
@@ -143,7 +144,9 @@ class Actor:
 
     async def _run_group(self, index: int, ts: TaskSample, start_version: int) -> None:
         try:
-            samples = await self.rollout(ts, self.client.for_group(self.oldest_version(index)), self.cfg)
+            # with `served`, the group runs under the adapter of the version published when it started (exact)
+            client = self.client.for_group(self.oldest_version(index), version=start_version)
+            samples = await self.rollout(ts, client, self.cfg)
             if not samples:
                 raise RuntimeError("the rollout returned no samples")
             todo = [s for s in samples if not s.label]  # a labelled sample was scored by its rollout (episodes)
@@ -289,7 +292,8 @@ class Actor:
     async def _evaluate(self, base: bool = False) -> None:
         try:
             res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model,
-                                 episode=getattr(self.rollout, "episode", None))
+                                 episode=getattr(self.rollout, "episode", None), served=self.client.served,
+                                 version=0 if base else self.stream.trainer_version)
         except Exception as exc:
             log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
             return

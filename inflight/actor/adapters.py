@@ -24,6 +24,7 @@ class Completion:
     logprobs: list[float]  # behaviour logprob of each generated token, as sampled
     versions: list[int]  # weight version that produced each generated token
     finish_reason: str
+    model: str = ""  # the response's "model": the name the server says it served (a LoRA adapter's, on vLLM)
 
 
 def _logprobs(choice: dict[str, Any]) -> list[float]:
@@ -98,6 +99,7 @@ def parse_vllm(resp: dict[str, Any]) -> list[Completion]:
                     logprobs=_logprobs(ch),
                     versions=[int(v) for v in versions],
                     finish_reason=ch.get("finish_reason") or "stop",
+                    model=str(resp.get("model") or ""),
                 )
             )
         )

@@ -34,6 +34,8 @@ async def evaluate(
     model: str | None = None,  # None = the name the servers report
     limit: int = 0,  # 0 = the whole held-out split
     episode: Callable[[TaskSample, RolloutClient], Awaitable[Sample]] | None = None,  # multi-turn tasks
+    served: Callable[[int], str | None] | None = None,  # stock vLLM LoRA: version -> adapter name (rollout.py)
+    version: int | Callable[[], int] | None = None,  # ... and the version to ask for (a callable: the newest)
 ) -> dict[str, Any]:
     """Returns {"pass@1", "mean_reward", "num_problems", "num_failed", "labels", "version_min", "version_max",
     "completion_len_mean", "completion_len_max", "truncated_frac", "replies", "seconds"}; version_min/max span the
@@ -45,7 +47,7 @@ async def evaluate(
         problems = problems[:limit]
     if not problems:
         raise ValueError(f"task '{task.name}' has no held-out problems")
-    client = RolloutClient(pool, cfg, model)
+    client = RolloutClient(pool, cfg, model, served=served, version=version)
     max_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     # stock vLLM / SGLang reject a priority unless started with priority scheduling
     extra = {"priority": cfg.eval_priority} if cfg.adapter == "builtin" and cfg.eval_priority else {}
@@ -60,7 +62,8 @@ async def evaluate(
 
     if episode is not None:  # a multi-turn task: each problem is one episode, scored by its environment
         eclient = RolloutClient(pool, dataclasses.replace(cfg, temperature=cfg.eval_temperature,
-                                                          max_new_tokens=max_tokens), model)
+                                                          max_new_tokens=max_tokens), model, served=served,
+                               version=version)
         episodes: dict[str, Sample] = {}
 
         async def one(ts: TaskSample) -> Completion | None:  # noqa: F811 - the episode variant

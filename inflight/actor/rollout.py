@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from inflight.actor.adapters import Completion
+from inflight.actor.adapters import Completion, ResponseError
 from inflight.actor.config import ActorConfig
 from inflight.actor.server_pool import ServerPool
 from inflight.contracts import Sample, TaskSample
@@ -38,19 +38,32 @@ class RolloutClient:
     gives each group its own client (`for_group`) carrying the oldest weight version the group's tokens may come
     from; built-in servers hold a request until they have it (`min_weight_version`)."""
 
-    def __init__(self, pool: ServerPool, cfg: ActorConfig, model: str | None = None, min_version: int = 0):
+    def __init__(self, pool: ServerPool, cfg: ActorConfig, model: str | None = None, min_version: int = 0,
+                 served: Callable[[int], str | None] | None = None, version: int | Callable[[], int] | None = None):
         self.pool = pool
         self.cfg = cfg
         self.model = model  # None: the name the servers report, looked up on the first request
         self.min_version = min_version
+        # stock vLLM serving a LoRA run (trainer.protocol=vllm): `served(v)` is the adapter name of version v (None:
+        # the base model), `version` the version this client's requests run under (a callable: the newest at each
+        # request); every token of a response then has that version, confirmed by the response's "model"
+        self.served = served
+        self.version = version
 
-    def for_group(self, min_version: int) -> "RolloutClient":
-        return RolloutClient(self.pool, self.cfg, self.model, min_version)
+    def for_group(self, min_version: int, version: int | None = None) -> "RolloutClient":
+        return RolloutClient(self.pool, self.cfg, self.model, min_version, self.served, version)
 
-    def _payload(self, n: int, max_tokens: int | None, temperature: float | None, top_p: float | None,
-                 extra: dict[str, Any]) -> dict[str, Any]:
+    def served_as(self) -> tuple[str | None, int | None]:
+        """(model name to ask for, the version its tokens have, or None when the server reports versions)."""
+        if self.served is None or self.version is None:
+            return self.model, None
+        v = max(0, self.version() if callable(self.version) else self.version)
+        return self.served(v) or self.model, v
+
+    def _payload(self, model: str | None, n: int, max_tokens: int | None, temperature: float | None,
+                 top_p: float | None, extra: dict[str, Any]) -> dict[str, Any]:
         payload = {
-            "model": self.model,
+            "model": model,
             "n": n,
             "max_tokens": self.cfg.max_new_tokens if max_tokens is None else max_tokens,
             "temperature": self.cfg.temperature if temperature is None else temperature,
@@ -62,6 +75,18 @@ class RolloutClient:
         elif self.min_version > 0:
             payload["min_weight_version"] = self.min_version
         return payload
+
+    @staticmethod
+    def _stamp(completions: list[Completion], model: str | None, version: int | None) -> list[Completion]:
+        """Every token of a response served under a versioned name has that version (vLLM keeps a running request
+        on the adapter it started with)."""
+        if version is None:
+            return completions
+        for c in completions:
+            if c.model and c.model != model:
+                raise ResponseError(f"asked for {model!r}, the server answered as {c.model!r}")
+            c.versions = [version] * len(c.token_ids)
+        return completions
 
     async def chat(
         self,
@@ -75,9 +100,10 @@ class RolloutClient:
     ) -> list[Completion]:
         if self.model is None:
             self.model = await self.pool.model_name()
-        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        model, version = self.served_as()
+        payload = self._payload(model, n, max_tokens, temperature, top_p, extra)
         payload.update(messages=messages, logprobs=True)
-        return self._check_n(await self.pool.chat(payload), n)
+        return self._check_n(self._stamp(await self.pool.chat(payload), model, version), n)
 
     async def complete(
         self,
@@ -93,9 +119,10 @@ class RolloutClient:
         given, so a multi-turn episode is never re-tokenised. `prompt_ids` of each Completion echo them."""
         if self.model is None:
             self.model = await self.pool.model_name()
-        payload = self._payload(n, max_tokens, temperature, top_p, extra)
+        model, version = self.served_as()
+        payload = self._payload(model, n, max_tokens, temperature, top_p, extra)
         payload.update(prompt=list(prompt_ids), logprobs=0)
-        return self._check_n(await self.pool.complete(payload), n)
+        return self._check_n(self._stamp(await self.pool.complete(payload), model, version), n)
 
     @staticmethod
     def _check_n(completions: list[Completion], n: int) -> list[Completion]:

@@ -17,7 +17,7 @@ import asyncio
 import inspect
 import math
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from inflight.actor.actor import Actor, MetricsSink
 from inflight.actor.rollout import RolloutFn, default_rollout
@@ -71,6 +71,18 @@ def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
         max_turns=t.max_turns, max_tokens=t.max_episode_tokens, env_timeout_s=t.env_timeout_s))
 
 
+def served_names(run_cfg: Any) -> Callable[[int], str | None] | None:
+    """A LoRA run on stock vLLM servers (trainer.protocol=vllm): version v > 0 is served as its own adapter name
+    (trainer/protocols/vllm_lora.py), version 0 as the base model; else None (the servers report versions)."""
+    t = getattr(run_cfg, "trainer", None)
+    if t is None or t.protocol != "vllm" or t.lora is None:
+        return None
+    from inflight.trainer.config import served_adapter_name
+
+    prefix = t.lora.served_name
+    return lambda v: served_adapter_name(prefix, v) if v > 0 else None
+
+
 @asynccontextmanager
 async def open_actor(
     run_cfg: Any,
@@ -105,7 +117,7 @@ async def open_actor(
         yield Actor(a, task, pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
                     max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,
                     first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])),
-                    min_version=int(r.get("version", -1)))
+                    min_version=int(r.get("version", -1)), served=served_names(run_cfg))
     finally:
         await pool.aclose()
         if own_rewards:

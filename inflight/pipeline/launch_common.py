@@ -54,14 +54,13 @@ def check_config(cfg: Any) -> None:
 
 
 def check_lora_run(cfg: Any) -> None:
-    """trainer.lora pushes adapters (docs/inference-contract.md, "Adapter updates"): only inflight's protocol
-    carries them; the stock servers' own weight APIs (trainer.protocol vllm / sglang) take full weights only."""
-    if cfg.trainer.lora is None:
+    """trainer.lora pushes adapters: inflight's protocol (docs/inference-contract.md, "Adapter updates") or stock
+    vLLM's runtime LoRA loading (trainer.protocol=vllm, trainer/protocols/vllm_lora.py); not SGLang's."""
+    if cfg.trainer.lora is None or cfg.trainer.protocol == "inflight":
         return
-    if cfg.trainer.protocol != "inflight":
-        raise ValueError(f"trainer.lora pushes LoRA adapters, which trainer.protocol={cfg.trainer.protocol} (a stock "
-                         "server's weight API) cannot carry; use trainer.protocol=inflight (inflight serve) or "
-                         "trainer.lora=null")
+    from inflight.trainer.protocols import check_stock_lora
+
+    check_stock_lora(cfg)
 
 
 def actor_config_for(cfg: Any) -> Any:

@@ -71,6 +71,7 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
     import asyncio
 
     from inflight.actor.evaluate import evaluate
+    from inflight.actor.run import served_names
     from inflight.actor.server_pool import ServerPool
     from inflight.tasks import get_task
 
@@ -88,7 +89,8 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
                 from inflight.actor.run import env_rollout
 
                 episode = env_rollout(cfg, task).episode
-            return await evaluate(task, pool, cfg.actor, episode=episode)
+            # a LoRA run on stock vLLM: the final version's adapter, by name (actor/run.py)
+            return await evaluate(task, pool, cfg.actor, episode=episode, served=served_names(cfg), version=version)
         finally:
             await pool.aclose()
 

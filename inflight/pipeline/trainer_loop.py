@@ -77,8 +77,9 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
 
 
 def adapter_of(engine: Any) -> dict[str, Any]:
-    """The push's `adapter` keyword for an engine that trains a LoRA adapter (trainer.lora), else nothing: the
-    stock-server clients (trainer.protocol vllm / sglang) take no such keyword and are refused LoRA at config time."""
+    """The push's `adapter` keyword for an engine that trains a LoRA adapter (trainer.lora), else nothing (the
+    native stock-server clients take no such keyword; with trainer.lora, trainer.protocol=vllm is the adapter client
+    of trainer/protocols/vllm_lora.py, and sglang is refused at config time)."""
     spec = getattr(engine, "adapter", None)
     return {"adapter": spec} if spec is not None else {}
 

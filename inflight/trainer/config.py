@@ -11,6 +11,16 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input in training (RL: keep 0, the behaviour logprobs have none)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # PEFT's names; all-linear: not lm_head
     rslora: bool = False  # PEFT's rank-stabilised scaling alpha / sqrt(rank)
+    # trainer.protocol=vllm (stock vLLM, --enable-lora): version N is loaded as "<served_name>-vN" from a PEFT folder
+    # under served_dir, which the servers must read at the same path (empty: <run dir>/served_adapters)
+    served_name: str = "inflight-lora"
+    served_dir: str = ""
+
+
+def served_adapter_name(prefix: str, version: int) -> str:
+    """The name a LoRA run's adapter of `version` is loaded under on stock vLLM servers (trainer.protocol=vllm):
+    requests that name it run under exactly that version (vllm_lora.py)."""
+    return f"{prefix}-v{int(version)}"
 
 
 @dataclass

@@ -85,13 +85,33 @@ def test_the_communicator_is_built_on_the_trainers_device(monkeypatch):
     assert events == [("set_device", "cuda:2"), ("sender", "weight-group")]
 
 
-@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
-def test_lora_is_refused_with_stock_server_protocols(protocol):
+def test_lora_with_stock_server_protocols(tmp_path):
+    """trainer.lora: SGLang refused; vLLM takes adapters through its runtime LoRA loading (vllm_lora.py), in keep
+    mode and with actor.adapter=vllm only, checked at config time, before anything starts."""
     from inflight.pipeline.launch_common import check_lora_run
+    from inflight.trainer.protocols.vllm_lora import VLLMLoraSync
 
-    cfg = load_config(RunConfig, overrides=[f"trainer.protocol={protocol}", "trainer.lora.rank=8"])
-    with pytest.raises(ValueError, match="trainer.lora pushes LoRA adapters"):
-        check_lora_run(cfg)  # at config time, before anything starts
-    with pytest.raises(ValueError, match="trainer.lora pushes LoRA adapters"):
-        make_weight_sync(cfg, URLS)
+    cfg = load_config(RunConfig, overrides=["trainer.protocol=sglang", "trainer.lora.rank=8"])
+    for fn in (check_lora_run, lambda c: make_weight_sync(c, URLS)):
+        with pytest.raises(ValueError, match="trainer.protocol=sglang is not supported"):
+            fn(cfg)
+    ok = ["trainer.protocol=vllm", "trainer.lora.rank=8", "actor.adapter=vllm", "actor.max_lag=2",
+          f"pipeline.run_dir={tmp_path}", "name=r"]
+    for bad, match in ((["pipeline.update_mode=interrupt"], "update_mode must be 'keep'"),
+                       (["actor.adapter=builtin"], "needs actor.adapter=vllm")):
+        cfg = load_config(RunConfig, overrides=ok + bad)
+        with pytest.raises(ValueError, match=match):
+            check_lora_run(cfg)
+        with pytest.raises(ValueError, match=match):
+            make_weight_sync(cfg, URLS)
+    cfg = load_config(RunConfig, overrides=ok)
+    check_lora_run(cfg)
+    client = make_weight_sync(cfg, URLS)
+    try:
+        assert type(client) is VLLMLoraSync and client.world_size == 1
+        assert client.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+        assert client.folder == tmp_path / "r" / "served_adapters" and client.keep == 4  # max_lag + 2
+        assert client.name == "inflight-lora"
+    finally:
+        client.close()
     check_lora_run(load_config(RunConfig, overrides=["trainer.lora.rank=8"]))  # inflight's protocol carries them

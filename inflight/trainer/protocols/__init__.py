@@ -3,7 +3,8 @@
 
     inflight  inflight's contract (docs/inference-contract.md): WeightSyncClient, inflight/trainer/weight_sync.py
               (transports: process_group over gloo or NCCL, shm, file)
-    vllm      a stock vLLM server's native weight-transfer API (vllm.py)
+    vllm      a stock vLLM server's native weight-transfer API (vllm.py); with trainer.lora, vLLM's own runtime
+              LoRA loading, one adapter name per version (vllm_lora.py)
     sglang    a stock SGLang server's distributed weight update API (sglang.py)
 """
 
@@ -26,8 +27,8 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
         return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir,
                                 bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)
     if getattr(t, "lora", None) is not None:
-        raise ValueError(f"trainer.lora pushes LoRA adapters, which trainer.protocol={protocol} cannot carry; use "
-                         "trainer.protocol=inflight")
+        check_stock_lora(cfg)
+        return vllm_lora_client(cfg, server_urls)
     if t.weight_transport != "process_group":
         raise ValueError(f"trainer.protocol={protocol} sends weights over a process group only "
                          f"(trainer.weight_transport={t.weight_transport!r})")
@@ -44,6 +45,35 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
 
         return SGLangWeightSync(server_urls, **common)
     raise ValueError(f"unknown trainer.protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+
+
+def check_stock_lora(cfg: Any) -> None:
+    """trainer.lora with a stock-server protocol: vLLM's runtime LoRA loading; SGLang's is not supported (never run
+    against a real SGLang). Called at config time (pipeline/launch_common.py) and by the factory."""
+    protocol = cfg.trainer.protocol
+    if protocol == "sglang":
+        raise ValueError("trainer.lora with trainer.protocol=sglang is not supported (SGLang's /load_lora_adapter has "
+                         "never run here); use trainer.protocol=vllm (stock vLLM with --enable-lora) or inflight")
+    if protocol == "vllm" and cfg.pipeline.update_mode != "keep":
+        raise ValueError("trainer.lora with trainer.protocol=vllm: pipeline.update_mode must be 'keep' (vLLM keeps a "
+                         "running request on the adapter it started with; it cannot move it to newer weights)")
+    if protocol == "vllm" and cfg.actor.adapter != "vllm":
+        raise ValueError("trainer.lora with trainer.protocol=vllm needs actor.adapter=vllm (the actor asks for each "
+                         "version's adapter by name)")
+
+
+def vllm_lora_client(cfg: Any, server_urls: list[str]) -> Any:
+    """The adapter client for stock vLLM servers: folders under trainer.lora.served_dir (default
+    <run dir>/served_adapters), the last actor.max_lag + 2 versions loaded (a running group may use any of them)."""
+    import os
+
+    from inflight.trainer.protocols.vllm_lora import VLLMLoraSync, checkpoint_shapes
+
+    lora = cfg.trainer.lora
+    folder = lora.served_dir or os.path.join(cfg.pipeline.run_dir, cfg.name, "served_adapters")
+    shapes = checkpoint_shapes(cfg.model.path) if os.path.isdir(cfg.model.path) else None
+    return VLLMLoraSync(server_urls, folder, name=lora.served_name, keep=cfg.actor.max_lag + 2,
+                        api_key=cfg.server.api_key or None, base_shapes=shapes or None, base_model=cfg.model.path)
 
 
 def weight_backend(choice: str, device: str) -> str:
