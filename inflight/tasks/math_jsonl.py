@@ -92,13 +92,7 @@ class MathJsonlTask:
         return list(self._eval)
 
     def train_samples(self, seed: int) -> Iterator[TaskSample]:
-        epoch = 0
-        while True:  # endless: a fresh shuffle each pass
-            order = list(range(len(self._train)))
-            random.Random(f"math-{self.cfg.seed}-{seed}-{epoch}").shuffle(order)
-            for i in order:
-                yield self._train[i]
-            epoch += 1
+        return shuffled_forever(self._train, f"math-{self.cfg.seed}-{seed}")
 
     def solution(self, sample: TaskSample) -> str:
         return f"\\boxed{{{sample.answer}}}"
@@ -124,3 +118,14 @@ class MathJsonlTask:
             return graded(bool(verify(gold, pred, timeout_seconds=timeout)))
         except Exception:  # noqa: BLE001 - a verifier failure must not kill the actor
             return Verification(reward=0.0, label=Verdict.error)
+
+
+def shuffled_forever(rows: list[TaskSample], key: str) -> Iterator[TaskSample]:
+    """The rows without end, a fresh shuffle (seeded by key and the pass number) each pass."""
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        random.Random(f"{key}-{epoch}").shuffle(order)
+        for i in order:
+            yield rows[i]
+        epoch += 1

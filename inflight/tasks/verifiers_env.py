@@ -36,7 +36,6 @@ import asyncio
 import functools
 import importlib
 import importlib.util
-import random
 import signal
 import sys
 import threading
@@ -47,6 +46,7 @@ from typing import Any, Iterator
 
 from inflight.contracts import StepResult, TaskSample, Verdict, Verification
 from inflight.tasks.config import TaskConfig
+from inflight.tasks.math_jsonl import shuffled_forever
 from inflight.tasks.tool_calls import parse_tool_calls, tools_system_text
 
 
@@ -171,13 +171,7 @@ class VerifiersTask:
                           answer=str(row.get("answer", "")), meta={"vf_row": row})
 
     def train_samples(self, seed: int) -> Iterator[TaskSample]:
-        epoch = 0
-        while True:  # endless: a fresh shuffle each pass
-            order = list(range(len(self._train)))
-            random.Random(f"vf-{self.cfg.seed}-{seed}-{epoch}").shuffle(order)
-            for i in order:
-                yield self._train[i]
-            epoch += 1
+        return shuffled_forever(self._train, f"vf-{self.cfg.seed}-{seed}")
 
     def eval_samples(self) -> list[TaskSample]:
         return list(self._eval)

@@ -1,5 +1,6 @@
 """Test helpers: a real HTTP server (uvicorn in a thread) with scriptable behaviour, for the routing tests of
-ServerPool (retries, 5xx, 4xx, timeouts). The actor's own tests run against the real `inflight serve`."""
+ServerPool (retries, 5xx, 4xx, timeouts). The actor's own tests run against the real `inflight serve`; for them, a
+client that records what the server returned and a float64 check of an episode's logprobs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from inflight.actor.rollout import RolloutClient
 from tests.reliability.pipeline_helpers import free_port
 
 
@@ -116,3 +118,36 @@ def set_version(urls: list[str], weights_path: str, version: int) -> None:
     for url in urls:
         r = httpx.post(url + "/request_weight_update", json={"version": version, "path": weights_path}, timeout=30)
         r.raise_for_status()
+
+
+class Recording(RolloutClient):
+    """The real client, keeping every completion the server returned."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen = []
+
+    async def chat(self, *a, **kw):
+        out = await super().chat(*a, **kw)
+        self.seen += out
+        return out
+
+    async def complete(self, *a, **kw):
+        out = await super().complete(*a, **kw)
+        self.seen += out
+        return out
+
+
+def assert_model_logprobs_float64(model_dir, s) -> None:
+    """Every model token of episode sample `s` (loss mask 1) has the behaviour logprob of a float64 forward over the
+    whole episode, within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0], -1)
+    P = len(s.prompt_ids)
+    for j, (t, m) in enumerate(zip(s.completion_ids, s.loss_mask)):
+        if m:
+            assert abs(lp[P + j - 1, t].item() - s.logprobs[j]) < 1e-3

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from inflight.actor import ActorConfig, ServerPool, evaluate
 from inflight.actor.episode import EpisodeConfig, episode_rollout, run_episode
@@ -24,7 +24,7 @@ from inflight.contracts import StepResult, TaskSample
 from inflight.streams import MemoryStream
 from inflight.tasks import TaskConfig
 from inflight.trainer.packing import collate, count_loss_tokens
-from tests.actor.helpers import set_version
+from tests.actor.helpers import Recording, assert_model_logprobs_float64, set_version
 
 pytestmark = pytest.mark.slow  # starts an inference server
 
@@ -52,24 +52,6 @@ def weights_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-class Recording(RolloutClient):
-    """The real client, keeping every completion the server returned."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.seen = []
-
-    async def chat(self, *a, **kw):
-        out = await super().chat(*a, **kw)
-        self.seen += out
-        return out
-
-    async def complete(self, *a, **kw):
-        out = await super().complete(*a, **kw)
-        self.seen += out
-        return out
 
 
 class Scripted:
@@ -132,13 +114,7 @@ def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir
     assert tok.decode(d1).endswith("<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
     assert s.meta["env_tokens"] == len(d1) + len(d2)
     # every model token's behaviour logprob is the float64 model's, in the context of the whole episode
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float64).eval()
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0], -1)
-    P = len(s.prompt_ids)
-    for j, (t, m) in enumerate(zip(s.completion_ids, s.loss_mask)):
-        if m:
-            assert abs(lp[P + j - 1, t].item() - s.logprobs[j]) < 1e-3
+    assert_model_logprobs_float64(tiny_model_dir, s)
     # the trainer's batch trains exactly the sampled tokens with their logprobs; env tokens are context only
     b = collate([s], [1.0], 1, count_loss_tokens([s]))
     trained = b.loss_mask > 0

@@ -11,18 +11,17 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from inflight.actor import ActorConfig, ServerPool, evaluate
 from inflight.actor.episode import EpisodeConfig, run_episode
-from inflight.actor.rollout import RolloutClient
 from inflight.actor.run import open_actor
 from inflight.actor.turns import TurnRenderer
 from inflight.config import RunConfig
 from inflight.streams import MemoryStream
 from inflight.tasks import TaskConfig, get_task
 from inflight.trainer.packing import collate, count_loss_tokens
+from tests.actor.helpers import Recording, assert_model_logprobs_float64
 from tests.pipeline.test_end_to_end import run_train
 from tests.reliability.pipeline_helpers import free_base_port, free_port, records
 from tests.servers import serve_model
@@ -40,24 +39,6 @@ def server(tiny_model_dir):
 
 def vf_task(kind: str, **kw) -> TaskConfig:
     return TaskConfig(name="verifiers", env=ENVS, env_args={"kind": kind}, **{"eval_size": 4, **kw})
-
-
-class Recording(RolloutClient):
-    """The real client, keeping every completion the server returned."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.seen = []
-
-    async def chat(self, *a, **kw):
-        out = await super().chat(*a, **kw)
-        self.seen += out
-        return out
-
-    async def complete(self, *a, **kw):
-        out = await super().complete(*a, **kw)
-        self.seen += out
-        return out
 
 
 def test_multi_turn_verifiers_episode_exact_tokens_and_rubric(server, tiny_model_dir):
@@ -96,13 +77,7 @@ def test_multi_turn_verifiers_episode_exact_tokens_and_rubric(server, tiny_model
     trained = b.loss_mask > 0
     assert b.input_ids[trained].tolist() == c1.token_ids + c2.token_ids + c3.token_ids
     assert b.behaviour_logprobs[trained].tolist() == pytest.approx(c1.logprobs + c2.logprobs + c3.logprobs)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float64).eval()
-    with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0], -1)
-    P = len(s.prompt_ids)
-    for j, (t, m) in enumerate(zip(s.completion_ids, s.loss_mask)):
-        if m:
-            assert abs(lp[P + j - 1, t].item() - s.logprobs[j]) < 1e-3
+    assert_model_logprobs_float64(tiny_model_dir, s)
 
 
 def test_tool_env_through_the_actor(server, tiny_model_dir):
