@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from inflight.heap import freeze_startup_objects

@@ -3,7 +3,6 @@ and a fused model against the same model unfused (logits and every parameter's g
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from inflight.trainer.fused import fuse_modules, rms_norm, swiglu
 from inflight.trainer.cpu_kernels import usable

@@ -1,6 +1,5 @@
 """The trainer + grpo learn at all: a bandit-like task where reward = 1 iff the first generated token is '7'."""
 
-import pytest
 import torch
 
 from inflight.algo import AlgoConfig, compute_advantages, make_loss, merge_stats
