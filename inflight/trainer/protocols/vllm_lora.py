@@ -39,14 +39,14 @@ from typing import Iterable
 import httpx
 import torch
 
-from inflight.contracts import LORA_SUFFIXES, ParamInfo, adapter_pairs
+from inflight.contracts import ParamInfo, adapter_pairs
 from inflight.finite import nonfinite
 from inflight.trainer.config import served_adapter_name
+from inflight.trainer.lora import to_peft_names
 from inflight.trainer.protocols.common import error_text
 from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError, unique_tensors
 
 log = logging.getLogger("inflight.trainer.protocols.vllm_lora")
-PEFT_PREFIX = "base_model.model."
 
 
 class AdapterRejected(WeightSyncError):
@@ -182,12 +182,9 @@ class VLLMLoraSync:
         """PEFT's format, as vLLM reads it: scaling = lora_alpha / r, so lora_alpha = scaling * r."""
         from safetensors.torch import save_file
 
-        state, modules = {}, set()
-        for n, t in tensors.items():
-            suffix = next(s for s in LORA_SUFFIXES if n.endswith(s))
-            module = n[: -len(suffix)].removesuffix(".weight")
-            modules.add(module)  # full names: PEFT adapts exactly these (a short name would match every layer)
-            state[f"{PEFT_PREFIX}{module}{suffix}.weight"] = t.detach().cpu().contiguous()
+        state = {k: t.detach().cpu().contiguous() for k, t in to_peft_names(iter(tensors.items())).items()}
+        # full module names: PEFT adapts exactly these (a short name would match every layer)
+        modules = {n.rsplit(".", 1)[0].removesuffix(".weight") for n in tensors}
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
