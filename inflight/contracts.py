@@ -56,8 +56,8 @@ class ParamInfo(_Strict):
 class ShmSegment(_Strict):
     """A shared-memory segment of the same host holding an update (the trainer writes it once, every server on the
     host copies from it): a file of `bytes` bytes on a memory file system (/dev/shm), a SHM_HEADER_BYTES header
-    (inflight/shm_weights.py: format, weight version, digest of the announcement) then the tensors of `params` at
-    the offsets of `shm_layout`."""
+    (inflight/shm_weights.py: format, state, weight version, digest of the announcement, bytes written so far)
+    then the tensors of `params` at the offsets of `shm_layout`."""
 
     path: str = Field(min_length=1)
     bytes: int = Field(gt=0, le=2**44)

@@ -3,28 +3,42 @@ system (/dev/shm), and every server on the host copies it into its model from th
 IPC. Two copies in all (trainer -> segment, segment -> model), no socket, no serialisation, nothing unpickled.
 
 A segment is a file: a SHM_HEADER_BYTES header, then the tensors of the announcement at the offsets of
-`contracts.shm_layout` (C order, the announced dtypes). The header says what the bytes are:
+`contracts.shm_layout` (C order, the announced dtypes). The header says what the bytes are (format 2):
 
-    0  magic  b"INFLWSHM"     8  format u32 (SHM_FORMAT)     16  weight version i64     24  data bytes u64
-    32 sha256 of the announcement (`announcement_digest`: names, shapes, dtypes in order)
+    0  magic  b"INFLWSHM"     8  format u32 (SHM_FORMAT)     12  state u32 (WRITING, COMPLETE, ABANDONED)
+    16 weight version i64     24 data bytes u64     32 sha256 of the announcement (`announcement_digest`)
+    64 written u64: the first `written` bytes of the data hold their final values (= data bytes when COMPLETE)
 
-so a server applies the bytes only if they are the announced version of the announced tensors. The trainer reuses
-one segment while the announcement stays the same (its pages stay mapped on both sides: no page faults after the
-first push), writes it only when no server is reading it (the previous update was answered by all), invalidates the
-header before writing and completes it last, and after any failed update starts a new segment (a server that may
-still be reading keeps its mapping of the old file, which nobody writes again).
+so a server applies the bytes only if they are the announced version of the announced tensors, complete. The two
+copies overlap: the trainer announces the update when it starts writing (state WRITING) and raises `written` as it
+goes, in announced order, and a server copies each tensor as soon as `written` has passed it (`SegmentWatch`); it
+applies nothing before the state is COMPLETE with the same header, and gives up with a clear error when the state
+turns ABANDONED (the trainer failed midway) or `written` stops moving for `stall_seconds()` (the trainer died).
+Readers that want the whole segment at once (the vLLM backend) wait for COMPLETE first (`wait_complete`).
+Why that order is safe without locks: x86-64 keeps stores in program order as other cores see them and loads in
+program order, so a server that reads `written` (one aligned 8-byte load) and then the data sees what was written
+before it. Elsewhere (`progress_is_ordered()` false) the trainer completes the segment before it announces it, and
+the announcement's HTTP round trip orders the bytes, as in format 1.
+
+The trainer reuses one segment while the announcement stays the same (its pages stay mapped on both sides: no page
+faults after the first push), writes it only when no server is reading it (the previous update was answered by
+all), invalidates the magic before writing a new header, and after any failed update starts a new segment (a server
+that may still be reading keeps its mapping of the old file, which nobody writes again).
 
 Only the standard library and torch are imported here: vLLM's workers use it in vLLM's environment.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
 import os
+import platform
 import stat
 import struct
+import time
 import uuid
 import warnings
 import weakref
@@ -33,9 +47,14 @@ from typing import Any, Iterable
 import torch
 
 SHM_MAGIC = b"INFLWSHM"
-SHM_FORMAT = 1
+SHM_FORMAT = 2  # 1: no state and no progress (a server read only complete segments)
 SHM_HEADER_BYTES = 4096  # the data starts on a page boundary
-_HEADER = struct.Struct("<8sIIqQ32s")  # magic, format, reserved, version, data bytes, digest
+_HEADER = struct.Struct("<8sIIqQ32sQ")  # magic, format, state, version, data bytes, digest, written
+_STATE_AT, _WRITTEN_AT = 12, 64  # the two fields that change while the data is written (aligned: one load/store)
+WRITING, COMPLETE, ABANDONED = 1, 2, 3
+_STATES = {WRITING: "being written", COMPLETE: "complete", ABANDONED: "abandoned by the trainer"}
+CHUNK_BYTES = 4 << 20  # the trainer publishes its progress (and a server follows it) in steps of about this much
+STALL_S = 10.0  # default of INFLIGHT_SHM_STALL_S
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once instead of one fault per 4 KiB page
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,13 +69,26 @@ def announcement_digest(params: Iterable[Any]) -> bytes:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).digest()
 
 
-def pack_header(version: int, data_bytes: int, digest: bytes) -> bytes:
-    return _HEADER.pack(SHM_MAGIC, SHM_FORMAT, 0, version, data_bytes, digest)
+def pack_header(version: int, data_bytes: int, digest: bytes, state: int = COMPLETE) -> bytes:
+    written = data_bytes if state == COMPLETE else 0
+    return _HEADER.pack(SHM_MAGIC, SHM_FORMAT, state, version, data_bytes, digest, written)
 
 
-def check_segment(path: str, size: int, version: int, data_bytes: int, digest: bytes) -> None:
+def progress_is_ordered() -> bool:
+    """Whether a server may follow `written` while the trainer writes (stores seen in program order: x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def stall_seconds() -> float:
+    """How long a server waits for a segment being written to make progress (env INFLIGHT_SHM_STALL_S)."""
+    return float(os.environ.get("INFLIGHT_SHM_STALL_S", STALL_S))
+
+
+def check_segment(path: str, size: int, version: int, data_bytes: int, digest: bytes,
+                  complete: bool = False) -> None:
     """Raise ShmError naming the problem unless `path` is a segment of `size` bytes whose header announces exactly
-    this version, data size and announcement digest. Reads the header only."""
+    this version, data size and announcement digest, being written or complete (`complete`: complete only).
+    Reads the header only."""
     if not os.path.isabs(path):
         raise ShmError(f"shm path must be absolute: {path!r}")
     if size != SHM_HEADER_BYTES + data_bytes:
@@ -78,7 +110,12 @@ def check_segment(path: str, size: int, version: int, data_bytes: int, digest: b
             raw = f.read(_HEADER.size)
     except OSError as e:
         raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
-    magic, fmt, _, got_version, got_bytes, got_digest = _HEADER.unpack(raw)
+    _check_header(_HEADER.unpack(raw), path, version, data_bytes, digest, complete)
+
+
+def _check_header(fields: tuple, path: str, version: int, data_bytes: int, digest: bytes, complete: bool) -> int:
+    """The header's state, unless it is not this version of these tensors (ShmError)."""
+    magic, fmt, state, got_version, got_bytes, got_digest, _ = fields
     if magic != SHM_MAGIC:
         raise ShmError(f"{path!r} is not a complete inflight weight segment (bad magic: being written, or not one)")
     if fmt != SHM_FORMAT:
@@ -87,6 +124,9 @@ def check_segment(path: str, size: int, version: int, data_bytes: int, digest: b
         raise ShmError(f"shm segment holds weight version {got_version}, the update announces {version}")
     if got_bytes != data_bytes or got_digest != digest:
         raise ShmError("shm segment holds other tensors than announced (names, shapes or dtypes differ)")
+    if state == ABANDONED or state not in _STATES or (complete and state != COMPLETE):
+        raise ShmError(f"shm segment of v{version} is {_STATES.get(state, f'in state {state}')}, not complete")
+    return state
 
 
 def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
@@ -107,12 +147,88 @@ def tensor_at(data: torch.Tensor, offset: int, shape: list[int], dtype: torch.dt
     return data[offset: offset + n].view(dtype).view(tuple(shape))
 
 
+class SegmentWatch:
+    """A reader's view of a segment's progress: waits until the trainer has written a part (`ready`) or all of it
+    (`wait_complete`), raising ShmError when the trainer abandoned the update, rewrote the header, or wrote nothing
+    for `stall_s` seconds. `header` keeps the mapping that holds the header (and, for `ready`, the data) alive."""
+
+    def __init__(self, header: torch.Tensor, path: str, version: int, data_bytes: int, digest: bytes,
+                 stall_s: float | None = None):
+        self._header, self.path = header, path  # uint8 view of the header page (the data follows it)
+        self.version, self.data_bytes, self.digest = version, data_bytes, digest
+        self.stall_s = stall_seconds() if stall_s is None else stall_s
+        addr = header.data_ptr()
+        self._state = ctypes.c_uint32.from_address(addr + _STATE_AT)  # aligned: one load each
+        self._written = ctypes.c_uint64.from_address(addr + _WRITTEN_AT)
+        self._data_addr = addr + SHM_HEADER_BYTES
+        self._done = 0  # the largest `written` seen: bytes below it are final
+
+    def ready(self, view: torch.Tensor) -> None:
+        """Wait until the bytes of `view` (a contiguous view of this segment's data) are final."""
+        end = view.data_ptr() - self._data_addr + view.numel() * view.element_size()
+        if end > self._done:
+            self._wait(end)
+
+    def wait_complete(self) -> None:
+        """Wait until the segment is complete, and check that its header still announces this update."""
+        self._wait(self.data_bytes, complete=True)
+        fields = _HEADER.unpack(ctypes.string_at(self._header.data_ptr(), _HEADER.size))
+        _check_header(fields, self.path, self.version, self.data_bytes, self.digest, complete=True)
+        if fields[-1] != self.data_bytes:
+            raise ShmError(f"shm segment of v{self.version} is marked complete with {fields[-1]} of "
+                           f"{self.data_bytes} bytes written")
+
+    def _wait(self, end: int, complete: bool = False) -> None:
+        last, since, nap = -1, time.monotonic(), 20e-6
+        while True:
+            state = self._state.value  # before `written`: the trainer raises `written` before it says COMPLETE
+            written = self._written.value
+            if state == COMPLETE or (state == WRITING and written >= end and not complete):
+                self._done = max(self._done, min(written, self.data_bytes))
+                return
+            if state != WRITING or written > self.data_bytes:
+                what = "abandoned by the trainer (it failed while writing)" if state == ABANDONED else \
+                    f"rewritten while being read (state {state}, {written} bytes written)"
+                raise ShmError(f"shm segment of v{self.version} was {what} at {written} of {self.data_bytes} bytes")
+            now = time.monotonic()
+            if written != last:
+                last, since = written, now
+            elif now - since > self.stall_s:
+                raise ShmError(f"the trainer stopped writing the shm segment of v{self.version}: no progress for "
+                               f"{self.stall_s:g}s at {written} of {self.data_bytes} bytes (INFLIGHT_SHM_STALL_S)")
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
+
+def wait_complete(path: str, version: int, data_bytes: int, digest: bytes, stall_s: float | None = None) -> None:
+    """For readers that take a segment only whole (the vLLM backend): wait until the trainer has completed it.
+    The caller has checked the segment (check_segment); only its header page is mapped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
+    try:
+        mm = _map(fd, SHM_HEADER_BYTES, writable=False)
+    finally:
+        os.close(fd)
+    header = _bytes_view(mm)
+    try:
+        SegmentWatch(header, path, version, data_bytes, digest, stall_s).wait_complete()
+    finally:
+        del header
+        try:
+            mm.close()
+        except BufferError:
+            pass
+
+
 class ShmMapping:
     """A server's read-only mapping of segments, kept while the trainer reuses the same file (same inode)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._mm: mmap.mmap | None = None
+        self._all: torch.Tensor | None = None  # the whole segment as bytes
         self._data: torch.Tensor | None = None
 
     def tensors(self, path: str, entries: Iterable[tuple[str, list[int], str, int]]) -> dict[str, torch.Tensor]:
@@ -127,13 +243,19 @@ class ShmMapping:
                 self._mm = _map(fd, st.st_size, writable=False)
             finally:
                 os.close(fd)  # the mapping keeps the file
-            self._data = _bytes_view(self._mm)[SHM_HEADER_BYTES:]
+            self._all = _bytes_view(self._mm)
+            self._data = self._all[SHM_HEADER_BYTES:]
             self._key = key
         data = self._data
         return {name: tensor_at(data, off, shape, TORCH_DTYPES[dt]) for name, shape, dt, off in entries}
 
+    def watch(self, version: int, data_bytes: int, digest: bytes, stall_s: float | None = None) -> SegmentWatch:
+        """The progress of the segment mapped by the last tensors() call (whose views `ready` accepts)."""
+        assert self._all is not None and self._key is not None
+        return SegmentWatch(self._all[:SHM_HEADER_BYTES], self._key[0], version, data_bytes, digest, stall_s)
+
     def close(self) -> None:
-        self._key, self._data = None, None
+        self._key, self._data, self._all = None, None, None
         mm, self._mm = self._mm, None
         if mm is not None:
             try:
@@ -152,21 +274,69 @@ class ShmWriter:
         self._finalizer: weakref.finalize | None = None
         self._mm: mmap.mmap | None = None
         self._data: torch.Tensor | None = None
+        self._state: ctypes.c_uint32 | None = None  # the header's state and written fields, stored one at a time
+        self._written: ctypes.c_uint64 | None = None
+        self._data_bytes = 0
 
     def write(self, tensors: list[tuple[str, torch.Tensor]], dtypes: list[str], offsets: list[int],
               data_bytes: int, version: int, digest: bytes) -> dict[str, Any]:
-        """Copy every tensor (converted to its announced dtype) to its offset; returns the `shm` field of the
-        announcement. The header is invalid while the data is being written."""
+        """The whole update at once (begin, write_tensors, finish; abandoned on an error): returns the `shm` field
+        of the announcement, to be posted after it returns."""
+        segment = self.begin(data_bytes, version, digest)
+        try:
+            self.write_tensors(tensors, dtypes, offsets)
+        except BaseException:
+            self.abandon()
+            raise
+        self.finish()
+        return segment
+
+    def begin(self, data_bytes: int, version: int, digest: bytes) -> dict[str, Any]:
+        """Start an update: the header says WRITING this version with nothing written; returns the `shm` field of
+        the announcement, which may be posted now (servers follow the progress) when progress_is_ordered()."""
         size = SHM_HEADER_BYTES + data_bytes
         if self._mm is None or size != self._size:
             self.discard()
             self._create(size)
-        assert self._mm is not None and self._data is not None
-        self._mm[:_HEADER.size] = bytes(_HEADER.size)  # invalid until the data is complete
-        for (_, t), dt, off in zip(tensors, dtypes, offsets):
-            tensor_at(self._data, off, list(t.shape), TORCH_DTYPES[dt]).copy_(t)  # converts dtype / device
-        self._mm[:_HEADER.size] = pack_header(version, data_bytes, digest)
+        assert self._mm is not None
+        self._mm[:8] = bytes(8)  # the magic goes first and comes back last: no reader takes a half-written header
+        self._mm[8:_HEADER.size] = pack_header(version, data_bytes, digest, WRITING)[8:]
+        self._mm[:8] = SHM_MAGIC
+        self._data_bytes = data_bytes
         return {"path": self.path, "bytes": size}
+
+    def write_tensors(self, tensors: list[tuple[str, torch.Tensor]], dtypes: list[str], offsets: list[int]) -> None:
+        """Copy every tensor (converted to its announced dtype) to its offset, in announced (ascending) order, a
+        chunk of rows at a time, raising `written` after each chunk."""
+        assert self._data is not None and self._written is not None
+        done = 0
+        for (name, t), dt, off in zip(tensors, dtypes, offsets):
+            if off < done:
+                raise ShmError(f"{name}: offsets must ascend (shm_layout order)")
+            dst = tensor_at(self._data, off, list(t.shape), TORCH_DTYPES[dt])
+            rows = t.shape[0] if t.dim() else 1
+            step = max(1, CHUNK_BYTES // max(1, dst.numel() * dst.element_size() // max(1, rows)))
+            if t.dim() == 0 or step >= rows:
+                dst.copy_(t)  # converts dtype / device
+                done = off + dst.numel() * dst.element_size()
+                self._written.value = done  # after the data: x86-64 makes it visible after it
+                continue
+            for r0 in range(0, rows, step):
+                part = dst[r0: r0 + step]
+                part.copy_(t[r0: r0 + step])
+                done = part.data_ptr() - self._data.data_ptr() + part.numel() * part.element_size()
+                self._written.value = done
+
+    def finish(self) -> None:
+        """The update is complete: `written` covers the data, then the state says COMPLETE."""
+        assert self._written is not None and self._state is not None
+        self._written.value = self._data_bytes
+        self._state.value = COMPLETE
+
+    def abandon(self) -> None:
+        """The update failed midway: servers following it give up at once (the caller then discards the file)."""
+        if self._state is not None:
+            self._state.value = ABANDONED
 
     def _create(self, size: int) -> None:
         path = os.path.join(self.directory, f"inflight-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
@@ -187,14 +357,17 @@ class ShmWriter:
             raise
         os.close(fd)
         self.path, self._size = path, size
-        self._data = _bytes_view(self._mm)[SHM_HEADER_BYTES:]
+        everything = _bytes_view(self._mm)
+        self._data = everything[SHM_HEADER_BYTES:]
+        self._state = ctypes.c_uint32.from_address(everything.data_ptr() + _STATE_AT)
+        self._written = ctypes.c_uint64.from_address(everything.data_ptr() + _WRITTEN_AT)
         # a writer dropped without discard(), or an interpreter that exits, still removes the file (it is memory);
         # only a killed process leaves one behind (its pid is in the name)
         self._finalizer = weakref.finalize(self, _unlink, path)
 
     def discard(self) -> None:
         """Remove the segment (a server still mapping it keeps its pages until it lets go)."""
-        self._data = None
+        self._data, self._state, self._written = None, None, None
         mm, self._mm = self._mm, None
         if mm is not None:
             try:

@@ -4,14 +4,17 @@ transformers forward. Then every way a segment can be wrong is refused before an
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
+import time
 
 import httpx
 import pytest
 import torch
 
+from inflight.contracts import ParamInfo, shm_layout
 from inflight.engine.weight_receiver import WeightUpdateError, check_finite
-from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter
+from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest, progress_is_ordered
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
 
@@ -22,10 +25,9 @@ torch.set_num_threads(1)
 def servers(tiny_model_dir):
     from inflight.engine.serve import ServerProcess
 
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                       env={"OMP_NUM_THREADS": "1"}) as a, \
-            ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                          env={"OMP_NUM_THREADS": "1"}) as b:
+    env = {"OMP_NUM_THREADS": "1", "INFLIGHT_SHM_STALL_S": "2"}  # a trainer that stopped: a 409 after 2 s
+    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"], env=env) as a, \
+            ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"], env=env) as b:
         yield [a, b]
 
 
@@ -106,6 +108,95 @@ def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm, tmp_path)
     assert shm._shm.path is None  # a failed update: the next push writes a new segment
     shm.push(good.items(), version=8)
     check_matches(hf, good, chat(url, temperature=1.0), 1.0)
+
+
+def test_an_overlapped_push_is_exact_and_a_poisoned_last_tensor_changes_nothing(servers, hf, shm):
+    """The servers are asked before the segment is written and copy it as it is written (x86-64): the weights
+    they serve are the pushed ones. A NaN in the last tensor, written after the servers copied everything before
+    it, still rejects the whole update on both, and nothing changes."""
+    assert progress_is_ordered(), "this host should overlap the two copies"
+    new = perturbed(hf, seed=40)
+    stats = shm.push(new.items(), version=40)
+    assert stats["write_s"] > 0
+    for s in servers:
+        check_matches(hf, new, chat(s.url, temperature=1.0), 1.0)
+    refs = [fingerprint(s.url) for s in servers]
+    for value in (float("nan"), float("inf")):
+        poisoned = perturbed(hf, seed=41)
+        last = list(poisoned)[-1]
+        poisoned[last].view(-1)[-1] = value
+        with pytest.raises(WeightSyncError, match=rf"NaN or Inf values in \['{last}'\]"):
+            shm.push(poisoned.items(), version=41)
+        assert [fingerprint(s.url) for s in servers] == refs
+    shm.push(new.items(), version=42)  # a new segment after the failures
+    for s in servers:
+        check_matches(hf, new, chat(s.url, temperature=1.0), 1.0)
+
+
+def _announce(weights: dict[str, torch.Tensor], version: int, writer: ShmWriter) -> tuple[dict, list[int]]:
+    """What WeightSyncClient sends for transport=shm, the segment begun (state WRITING, nothing written yet)."""
+    params = [ParamInfo(name=n, shape=list(t.shape), dtype="float32") for n, t in weights.items()]
+    offsets, data_bytes = shm_layout(params)
+    seg = writer.begin(data_bytes, version, announcement_digest(params))
+    return {"version": version, "params": [p.model_dump() for p in params], "shm": seg}, offsets
+
+
+@pytest.mark.parametrize("how", ["stops", "abandons"])
+def test_a_trainer_that_fails_midway_changes_nothing(servers, hf, shm, how):
+    """A trainer that stops writing (killed, hung) or marks its segment abandoned (an error while writing) after
+    half of the tensors: the server answers 409 naming it (after INFLIGHT_SHM_STALL_S, here 2 s, or at once), its
+    weights and version stay as they were, and the next push works."""
+    url = servers[0].url
+    shm.push(perturbed(hf, seed=50).items(), version=50)
+    ref = fingerprint(url)
+    items = list(perturbed(hf, seed=51).items())
+    half = len(items) // 2
+    writer = ShmWriter()
+    try:
+        body, offsets = _announce(dict(items), 51, writer)
+        with cf.ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            answer = pool.submit(httpx.post, url + "/request_weight_update", json=body, timeout=60)
+            writer.write_tensors(items[:half], ["float32"] * half, offsets[:half])
+            if how == "abandons":
+                time.sleep(0.5)  # the server is following the segment by now
+                writer.abandon()
+            r = answer.result()
+            took = time.monotonic() - t0
+    finally:
+        writer.discard()
+    msg = r.json()["error"]["message"]
+    if how == "stops":
+        assert r.status_code == 409 and "stopped writing" in msg and "nothing applied" in msg, r.text
+        assert 2.0 <= took < 30
+    else:
+        assert r.status_code == 409 and "abandoned by the trainer" in msg and "nothing applied" in msg, r.text
+        assert took < 2.0
+    assert fingerprint(url) == ref
+    again = perturbed(hf, seed=52)
+    shm.push(again.items(), version=52)
+    check_matches(hf, again, chat(url, temperature=1.0), 1.0)
+
+
+def test_a_push_that_fails_while_writing_changes_nothing(servers, hf, shm):
+    """The trainer's own write fails midway (the last tensor has no data: a meta tensor): the segment is marked
+    abandoned, so both servers, already following it, answer at once instead of at their 2 s stall timeout; the
+    trainer raises its own error, nothing is applied, and the next push uses a new segment."""
+    shm.push(perturbed(hf, seed=60).items(), version=60)
+    refs = [fingerprint(s.url) for s in servers]
+    broken = perturbed(hf, seed=61)
+    last = list(broken)[-1]
+    broken[last] = torch.empty(broken[last].shape, device="meta")
+    t0 = time.monotonic()
+    with pytest.raises(NotImplementedError, match="meta"):
+        shm.push(broken.items(), version=61)
+    assert time.monotonic() - t0 < 2.0
+    assert shm._shm.path is None
+    assert [fingerprint(s.url) for s in servers] == refs
+    good = perturbed(hf, seed=62)
+    shm.push(good.items(), version=62)
+    for s in servers:
+        check_matches(hf, good, chat(s.url, temperature=1.0), 1.0)
 
 
 def test_a_full_shm_directory_is_a_clear_error(tmp_path, monkeypatch):

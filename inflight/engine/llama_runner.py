@@ -27,8 +27,8 @@ once and only unpacked (10-20% slower matmuls), and a background thread re-packs
 in at the next step boundary, unless another update came meanwhile (then they are dropped and re-packed again).
 
 Staged updates (CPU, `double_buffer`): a full shared-memory update is copied by `stage()` into spare storage while
-the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, and
-the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
+the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, each
+part as soon as the trainer has written it to the segment (the two copies of a push overlap), and the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
 update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off.
 """
 
@@ -48,6 +48,7 @@ from inflight.engine.step import StepPlan
 
 SUPPORTED_TYPES = ("llama", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin do not depend on the sequence length
+STAGE_CHUNK_BYTES = 4 << 20  # stage() following a segment being written copies this much at a time
 
 
 def supports(model: torch.nn.Module) -> str | None:
@@ -218,13 +219,16 @@ class LlamaRunner:
                 prepared.append((where, new))
         return prepared, rest
 
-    def stage(self, tensors: dict[str, torch.Tensor], check_finite: bool = True) -> tuple[list, dict, list[str]]:
+    def stage(self, tensors: dict[str, torch.Tensor], check_finite: bool = True,
+              ready=None) -> tuple[list, dict, list[str]]:
         """Off the engine thread, a full update (`tensors`: HF names, the model's dtypes): as prepare_swap, but
         written into the storage the previous swap() let go (no fresh pages: faulting in 538 MB cost more than
         copying it), and checked for NaN/Inf as it is copied, in one pass (the C kernel for float32, else
-        finite.copy_summed: chunks summed while in cache). Returns (prepared for swap(), the tensors left to
-        load_weights, names of the staged tensors holding NaN/Inf: then nothing may be swapped in). The engine
-        never reads a spare: the weights it computes with do not change here."""
+        finite.copy_summed: chunks summed while in cache). `ready(view)`, if given, waits until a chunk of rows of
+        a tensor is there to be read (a shared-memory segment the trainer is still writing: SegmentWatch.ready);
+        the tensors are then copied a few MB at a time, in the order the trainer writes them. Returns (prepared
+        for swap(), the tensors left to load_weights, names of the staged tensors holding NaN/Inf: then nothing
+        may be swapped in). The engine never reads a spare: the weights it computes with do not change here."""
         touched, rest = self._blocks(tensors)
         prepared, bad, sums, summed = [], [], [], []
         with torch.no_grad():
@@ -238,19 +242,26 @@ class LlamaRunner:
                     if id(p) not in new_rows:
                         spare[a:b].copy_(cur[a:b])  # a partial update: the member keeps its current value
                         continue
-                    name, t, dst = *new_rows[id(p)], spare[a:b]
-                    if not check_finite:
-                        dst.copy_(t)
-                    elif (self._copier is not None and t.dtype == dst.dtype == torch.float32 and t.device.type == "cpu"
-                          and t.is_contiguous() and dst.is_contiguous()):
-                        if not self._copier.copy_finite(dst, t):
-                            bad.append(name)
-                    else:
-                        finite.copy_summed(dst, t, sums)
-                        summed.append((name, dst))
+                    name, whole = new_rows[id(p)]
+                    rows = whole.shape[0]
+                    step = max(1, rows if ready is None else STAGE_CHUNK_BYTES // max(
+                        1, whole[:1].numel() * whole.element_size()))
+                    for r in range(0, max(1, rows), step):
+                        t, dst = whole[r: r + step], spare[a + r: min(b, a + r + step)]
+                        if ready is not None:
+                            ready(t)
+                        if not check_finite:
+                            dst.copy_(t)
+                        elif (self._copier is not None and t.dtype == dst.dtype == torch.float32
+                              and t.device.type == "cpu" and t.is_contiguous() and dst.is_contiguous()):
+                            if not self._copier.copy_finite(dst, t) and name not in bad:
+                                bad.append(name)
+                        else:
+                            finite.copy_summed(dst, t, sums)
+                            summed.append((name, dst))
                 prepared.append((where, spare))
-        if not finite.finite_sums(sums):  # or huge finite values overflowed the sum: look at each tensor
-            bad += [n for n, v in summed if not bool(torch.isfinite(v).all())]
+        if not finite.finite_sums(sums):  # or huge finite values overflowed the sum: look at each chunk
+            bad += [n for n in dict.fromkeys(n for n, v in summed if not bool(torch.isfinite(v).all())) if n not in bad]
         return prepared, rest, bad
 
     def swap(self, prepared: list) -> None:

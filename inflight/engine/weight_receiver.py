@@ -11,12 +11,15 @@ With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole
 received and before anything is applied: the weights stay as they were. The check is one fused reduction per update
 (one host sync, not one per tensor); only a non-finite total looks at each tensor, to name them.
 A shared-memory update is copied once by the server: its header is checked at once (format, version, the
-announcement's digest) and the segment is mapped. On the built-in llama path on CPU (`runner.double_buffer`) the
-tensors are then copied into the runner's spare storage while the engine keeps generating, checked for NaN/Inf in
-the same pass (`LlamaRunner.stage`), and the pause only re-points the model at that storage (measured on SmolLM2's
-538 MB: the copy in the pause, and the wait for the step boundary before it, were most of a push; docs/benchmarks.md);
-elsewhere the segment is checked for NaN/Inf in place and the pause copies the tensors from it into the model. Either
-way the trainer writes the segment again only after every server answered.
+announcement's digest) and the segment is mapped. The trainer may still be writing it (shm_weights.py, format 2):
+on the built-in llama path on CPU (`runner.double_buffer`) each tensor is copied into the runner's spare storage as
+soon as the trainer has written it, while the engine keeps generating, checked for NaN/Inf in the same pass
+(`LlamaRunner.stage`), so the two copies of a push overlap; the pause only re-points the model at that storage
+(measured on SmolLM2's 538 MB: the copy in the pause, and the wait for the step boundary before it, were most of a
+push; docs/benchmarks.md). Elsewhere the server waits for the complete segment, checks it for NaN/Inf in place and
+the pause copies the tensors from it into the model. Nothing is applied before the segment is complete with the
+announced header; a trainer that abandons the update or stops writing (no progress for INFLIGHT_SHM_STALL_S) is a
+409, nothing applied. The trainer writes the segment again only after every server answered.
 
 A new `/init_process_group` supersedes a receive still blocked on the old group: the trainer forms a group again
 only after it gave up on the old one, and a gloo receive whose sender is gone may not fail before the group timeout.
@@ -39,7 +42,8 @@ from inflight.contracts import (LORA_SUFFIXES, AdapterSpec, InitProcessGroupRequ
                                 adapter_pairs, bucket_layout, packed_bytes, shm_layout)
 from inflight.engine.adapter_merge import AdapterState, bases_of
 from inflight.finite import nonfinite
-from inflight.shm_weights import ShmError, ShmMapping, announcement_digest, check_segment
+from inflight.shm_weights import (SegmentWatch, ShmError, ShmMapping, announcement_digest, check_segment,
+                                  wait_complete)
 
 log = logging.getLogger("inflight.engine.weights")
 
@@ -218,19 +222,22 @@ class WeightReceiver:
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
                 check_tensors(tensors, self.engine.param_specs(), self.aliases, req.adapter)
-            elif req.shm is not None:  # views of the segment: copied into the model from there
-                tensors = await asyncio.to_thread(self._map_shm, req)
+            elif req.shm is not None:  # views of the segment (maybe still being written): copied in from there
+                tensors, watch = await asyncio.to_thread(self._map_shm, req)
             else:  # received while the engine keeps generating (on the old weights); it pauses only to apply
                 tensors = await self._receive_unless_superseded(req.params or [], self._receive_specs(req),
                                                                 req.version, req.bucket_bytes)
             adapter, prepared, unstaged = req.adapter, [], tensors
             runner = self.engine.runner
-            if req.shm is not None and adapter is None and getattr(runner, "double_buffer", False):
-                # copied (and checked) into the runner's spare storage while the engine generates: the pause
-                # only re-points the model at it
-                prepared, unstaged, bad = await asyncio.to_thread(runner.stage, tensors, self.reject_nonfinite)
-                if bad:
-                    refuse_nonfinite(bad)
+            if req.shm is not None:
+                if adapter is None and getattr(runner, "double_buffer", False):
+                    # copied (and checked) into the runner's spare storage while the engine generates, each
+                    # tensor once the trainer has written it: the pause only re-points the model at it
+                    prepared, unstaged, bad = await self._follow(req, runner.stage, tensors, self.reject_nonfinite,
+                                                                 watch.ready)
+                    if bad:
+                        refuse_nonfinite(bad)
+                await self._follow(req, watch.wait_complete)  # the rest is read only from a complete segment
             if self.reject_nonfinite:  # a broadcast was received whole: the group stays in step
                 await asyncio.to_thread(check_finite, unstaged)
             read_s = time.perf_counter() - t0
@@ -297,11 +304,21 @@ class WeightReceiver:
         self.adapters.served(bases_of(tensors), rank, scaling)
         log.info("serving an adapter of rank %d (scaling %g) merged into %d weights", rank, scaling, len(load))
 
-    def _map_shm(self, req: WeightUpdateRequest) -> dict[str, torch.Tensor]:
+    def _map_shm(self, req: WeightUpdateRequest) -> tuple[dict[str, torch.Tensor], SegmentWatch]:
         params = req.params or []
-        offsets, _ = shm_layout(params)
+        offsets, data_bytes = shm_layout(params)
         check_shm(req)  # again, now that we hold the lock: the announced version is what we map
-        return self._shm.tensors(req.shm.path, [(p.name, p.shape, p.dtype, off) for p, off in zip(params, offsets)])
+        views = self._shm.tensors(req.shm.path, [(p.name, p.shape, p.dtype, off) for p, off in zip(params, offsets)])
+        return views, self._shm.watch(req.version, data_bytes, announcement_digest(params))
+
+    async def _follow(self, req: WeightUpdateRequest, fn, *args) -> Any:
+        """fn(*args) off the event loop; a segment the trainer abandoned or stopped writing is a 409."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ShmError as e:
+            log.warning("weight update v%d: %s; nothing applied", req.version, e)
+            raise WeightUpdateError(f"weight update rejected: {e}; nothing applied, weights stay at "
+                                    f"v{self.engine.version}", status=409) from None
 
     async def _receive_unless_superseded(self, params: list[ParamInfo], specs: dict, version: int,
                                          bucket_bytes: int) -> dict[str, torch.Tensor]:
@@ -361,13 +378,26 @@ class WeightReceiver:
 
 
 def check_shm(req: WeightUpdateRequest) -> None:
-    """The segment's header must announce exactly this version of exactly these tensors (400 otherwise)."""
+    """The segment's header must announce exactly this version of exactly these tensors, being written or complete
+    (400 otherwise)."""
     assert req.shm is not None and req.params is not None
     _, data_bytes = shm_layout(req.params)
     try:
         check_segment(req.shm.path, req.shm.bytes, req.version, data_bytes, announcement_digest(req.params))
     except ShmError as e:
         raise WeightUpdateError(f"weight update rejected: {e}") from None
+
+
+def wait_shm(req: WeightUpdateRequest) -> None:
+    """check_shm, then wait until the trainer has completed the segment (409 if it abandoned it or stopped
+    writing): for readers that take a segment only whole."""
+    check_shm(req)
+    assert req.shm is not None and req.params is not None
+    _, data_bytes = shm_layout(req.params)
+    try:
+        wait_complete(req.shm.path, req.version, data_bytes, announcement_digest(req.params))
+    except ShmError as e:
+        raise WeightUpdateError(f"weight update rejected: {e}; nothing applied", status=409) from None
 
 
 def unpack(buf: torch.Tensor, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:

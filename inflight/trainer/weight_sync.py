@@ -11,7 +11,8 @@ a tensor that fills a bucket alone is sent as it is, never copied (measured: per
 flattened buffer at 100 MiB, FACTS.md, while a model of many small tensors spent its push waiting for the GIL
 between 30 broadcasts: docs/benchmarks.md). `transport="file"` writes one safetensors file under /dev/shm instead
 and posts its path (single host only). `transport="shm"` (single host) writes the tensors once into a shared-memory
-segment (inflight/shm_weights.py) that every server on the host copies from: two memory copies in all.
+segment (inflight/shm_weights.py) that every server on the host copies from: two memory copies in all, which
+overlap (the servers are asked first and copy each tensor as soon as it is written).
 
 A tensor registered under several names (tied embeddings) is sent once, under its first name (the contract's
 canonical one). On a CUDA trainer (`device`) the helper threads that create and drive the NCCL communicator make
@@ -41,7 +42,7 @@ import torch
 
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
-from inflight.shm_weights import ShmError, ShmWriter, announcement_digest
+from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
 
 log = logging.getLogger("inflight.trainer.weight_sync")
 
@@ -340,8 +341,11 @@ class WeightSyncClient:
 
     def _push_shm(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
                   extra: dict) -> list[dict]:
-        """Write the segment (reused while the announcement stays the same), then post its path to every server;
-        each copies the tensors in at its next step boundary. After a failure the segment is replaced."""
+        """Announce the segment (reused while the announcement stays the same) to every server and write it
+        meanwhile: each server copies the tensors as they are written and applies them at its next step boundary
+        once the segment is complete (shm_weights.py; where progress_is_ordered() is false, the segment is written
+        first and then posted). After a failure the segment is replaced; a failure while writing marks it
+        abandoned, so the servers following it answer at once."""
         assert self._shm is not None
         dtypes = [DTYPE_NAMES[self.dtype or t.dtype] for _, t in tensors]
         announced = ("shm", mode, tuple((n, tuple(t.shape), d) for (n, t), d in zip(tensors, dtypes)),
@@ -351,19 +355,34 @@ class WeightSyncClient:
             infos = [ParamInfo(**p) for p in params]
             self._shm_layout = (announced[2], *shm_layout(infos), announcement_digest(infos))
         _, offsets, data_bytes, digest = self._shm_layout
-        t0 = time.perf_counter()
         try:
-            segment = self._shm.write(tensors, dtypes, offsets, data_bytes, version, digest)
+            segment = self._shm.begin(data_bytes, version, digest)
         except ShmError as e:
             raise WeightSyncError(str(e)) from None
-        self.last_write_s = time.perf_counter() - t0
         body = {"version": version, "mode": mode, "params": params, "shm": segment, **extra}
         try:
             if self.precheck and announced != self._accepted:
                 self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True)
                                for u in self.urls], "check_weight_update")
-            answers = self._collect([self.pool.submit(self._post, u, "/request_weight_update", body)
-                                     for u in self.urls], "request_weight_update")
+            overlap = progress_is_ordered()
+            posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls] \
+                if overlap else []
+            t0 = time.perf_counter()
+            try:
+                self._shm.write_tensors(tensors, dtypes, offsets)
+            except BaseException as e:
+                self._shm.abandon()  # the servers following the segment give up now, not at their stall timeout
+                if posts and isinstance(e, Exception):
+                    try:
+                        self._collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
+                    except WeightSyncError as answered:
+                        log.warning("writing the segment of v%d failed; the servers answered: %s", version, answered)
+                raise
+            self._shm.finish()
+            self.last_write_s = time.perf_counter() - t0
+            if not overlap:
+                posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
+            answers = self._collect(posts, "request_weight_update")
         except BaseException:
             self._shm.discard()  # a server may still read the old file: never write it again
             raise

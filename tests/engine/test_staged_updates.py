@@ -6,6 +6,8 @@ engine's logprobs against a float64 HF forward (tests/engine/test_precision.py).
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from inflight.contracts import ParamInfo, WeightUpdateRequest, shm_layout
 from inflight.engine.core import InferenceEngine
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
 from inflight.finite import copy_summed, finite_sums
-from inflight.shm_weights import ShmWriter, announcement_digest
+from inflight.shm_weights import WRITING, SegmentWatch, ShmWriter, announcement_digest
 from tests.engine.test_precision import BOUND, _errors, _generate, _new_weights, sharp_model_dir  # noqa: F401
 from tests.test_lora_push import Q0, make_adapter
 
@@ -85,7 +87,8 @@ def test_staged_updates_are_exact_and_reuse_the_spare_storage(engine):
 
 @pytest.mark.parametrize("kernel", [True, False])  # the C copy-and-count, or torch chunks summed while copied
 @pytest.mark.parametrize("where", ["model.layers.1.mlp.down_proj.weight", "model.embed_tokens.weight",
-                                   "model.layers.0.input_layernorm.weight"])  # staged, staged, copied in the pause
+                                   "model.layers.0.input_layernorm.weight",  # staged, staged, copied in the pause
+                                   "model.norm.weight"])  # the last tensor written
 def test_a_nonfinite_staged_update_is_refused_and_changes_nothing(engine, where, kernel):
     eng, receiver, writer = engine
     if kernel and eng.runner._copier is None:
@@ -103,6 +106,70 @@ def test_a_nonfinite_staged_update_is_refused_and_changes_nothing(engine, where,
     w4 = perturbed(eng, seed=5)  # the spares a refused update wrote into are fully written again
     shm_push(receiver, writer, w4, version=4)
     assert eng.version == 4 and model_equals(eng, w4)
+
+
+def _begin(writer: ShmWriter, weights: dict[str, torch.Tensor], version: int):
+    params = [ParamInfo(name=n, shape=list(t.shape), dtype="float32") for n, t in weights.items()]
+    offsets, data_bytes = shm_layout(params)
+    seg = writer.begin(data_bytes, version, announcement_digest(params))
+    return WeightUpdateRequest(version=version, params=params, shm=seg), offsets
+
+
+def _write_slowly(writer: ShmWriter, weights: dict[str, torch.Tensor], offsets: list[int], upto: int,
+                  then=None) -> threading.Thread:
+    """The trainer's side, one tensor every 5 ms (the first `upto`), then `then()` (finish, abandon or nothing)."""
+    items = list(weights.items())
+
+    def run():
+        for i in range(upto):
+            time.sleep(0.005)
+            writer.write_tensors([items[i]], ["float32"], [offsets[i]])
+        if then is not None:
+            then()
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th
+
+
+def test_an_overlapped_update_is_exact(engine, monkeypatch):
+    """The server copies each tensor as soon as the trainer has written it: with a slow trainer it follows the
+    segment while its state is WRITING. The segment is reused, so the bytes ahead of the trainer still hold the
+    previous version: a server that read ahead would serve some of them."""
+    eng, receiver, writer = engine
+    w1 = perturbed(eng, seed=11)
+    shm_push(receiver, writer, w1, version=1)
+    waits, real = [], SegmentWatch._wait
+    monkeypatch.setattr(SegmentWatch, "_wait", lambda self, end, complete=False: (
+        waits.append((self._state.value, complete)), real(self, end, complete))[1])
+    w2 = perturbed(eng, seed=12)
+    req, offsets = _begin(writer, w2, 2)
+    th = _write_slowly(writer, w2, offsets, len(w2), writer.finish)
+    asyncio.run(receiver.update(req))
+    th.join()
+    assert eng.version == 2 and model_equals(eng, w2)
+    assert receiver.last_update["staged"] == len(eng.runner.members)
+    assert sum(1 for state, complete in waits if state == WRITING and not complete) > 3  # it followed the trainer
+
+
+@pytest.mark.parametrize("how", ["stops", "abandons"])
+def test_a_trainer_that_fails_midway_changes_nothing_in_process(engine, monkeypatch, how):
+    eng, receiver, writer = engine
+    monkeypatch.setenv("INFLIGHT_SHM_STALL_S", "0.3")
+    w1 = perturbed(eng, seed=13)
+    shm_push(receiver, writer, w1, version=1)
+    w2 = perturbed(eng, seed=14)
+    req, offsets = _begin(writer, w2, 2)
+    th = _write_slowly(writer, w2, offsets, len(w2) // 2, writer.abandon if how == "abandons" else None)
+    match = "abandoned by the trainer" if how == "abandons" else r"stopped writing .* no progress for 0.3s"
+    with pytest.raises(WeightUpdateError, match=match) as e:
+        asyncio.run(receiver.update(req))
+    th.join()
+    assert e.value.status == 409 and "nothing applied, weights stay at v1" in str(e.value)
+    assert eng.version == 1 and model_equals(eng, w1)
+    writer.discard()  # a failed update: the next one is written to a new segment
+    shm_push(receiver, writer, w2, version=3)
+    assert eng.version == 3 and model_equals(eng, w2)
 
 
 def test_a_partial_update_keeps_the_other_members_of_a_fused_block(engine):

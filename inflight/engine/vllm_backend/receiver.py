@@ -3,7 +3,7 @@ against the checkpoint's names and shapes and the served dtype; the transfer its
 (worker_ext.py), driven with `collective_rpc`.
 
 An update: validate (400/409 before anything is received) → [file / shm: each worker reads it or maps the segment
-and checks it for NaN/Inf while generation continues] → `pause_generation(mode="keep")` (the engine stops between
+(shm: once the trainer has completed it, `wait_shm`) and checks it for NaN/Inf while generation continues] → `pause_generation(mode="keep")` (the engine stops between
 two steps; requests keep their KV cache) → workers receive the broadcasts (staged, checked for NaN/Inf) and load
 them all at once → interrupt mode: `reset_prefix_cache(
 reset_running_requests=True)` preempts every running request, so its KV cache is recomputed with the new weights
@@ -32,7 +32,8 @@ import torch
 from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
                                 shm_layout)
 from inflight.engine.vllm_backend.worker_ext import NONFINITE
-from inflight.engine.weight_receiver import DTYPES, WeightUpdateError, check_adapter, check_params, check_shm
+from inflight.engine.weight_receiver import (DTYPES, WeightUpdateError, check_adapter, check_params, check_shm,
+                                             wait_shm)
 
 log = logging.getLogger("inflight.vllm.weights")
 ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -155,7 +156,9 @@ class VLLMWeightReceiver:
                 if req.path is not None:
                     await self._rpc("inflight_stage_file", req.path)
                 elif req.shm is not None:
-                    check_shm(req)  # again, under the lock: the segment holds the announced version
+                    # again, under the lock, and until the trainer has written all of it: the workers map a
+                    # complete segment of the announced version
+                    await asyncio.to_thread(wait_shm, req)
                     offsets, _ = shm_layout(req.params or [])
                     await self._rpc("inflight_stage_shm", req.shm.path, [
                         [p.name, list(p.shape), p.dtype, off] for p, off in zip(req.params or [], offsets)])
