@@ -14,7 +14,7 @@ import torch
 
 from inflight.contracts import ParamInfo, shm_layout
 from inflight.engine.weight_receiver import WeightUpdateError, check_finite
-from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest, progress_is_ordered
+from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
 
@@ -114,7 +114,6 @@ def test_an_overlapped_push_is_exact_and_a_poisoned_last_tensor_changes_nothing(
     """The servers are asked before the segment is written and copy it as it is written (x86-64): the weights
     they serve are the pushed ones. A NaN in the last tensor, written after the servers copied everything before
     it, still rejects the whole update on both, and nothing changes."""
-    assert progress_is_ordered(), "this host should overlap the two copies"
     new = perturbed(hf, seed=40)
     stats = shm.push(new.items(), version=40)
     assert stats["write_s"] > 0
