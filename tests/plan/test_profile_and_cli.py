@@ -122,6 +122,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
         assert 0 < reply < 0.5
     assert "measured by `inflight profile" in p.source
+    assert 1.0 <= p.trainer_corun < 3.0 and 1.0 <= p.server_corun < 3.0  # measured beside each other (corun.py)
 
 
 @pytest.mark.slow
