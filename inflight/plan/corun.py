@@ -15,6 +15,7 @@ Each factor is slowed / alone (>= 1 by construction of the model: a ratio under 
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
@@ -53,12 +54,17 @@ class _Toggled(threading.Thread):
         self.join()
 
 
+def _fresh_prompt() -> list[int]:
+    """16 token ids (valid in any vocabulary), new each request: a server's prefix cache must not skip the prefill."""
+    return [5 + random.randrange(90) for _ in range(16)]
+
+
 def _burst(url: str, model: str, batch: int, tokens: int) -> float:
     """Seconds for one request of `batch` completions of `tokens` new tokens (ignore_eos)."""
     import httpx
 
     t0 = time.perf_counter()
-    httpx.post(url + "/v1/completions", json={"model": model, "prompt": [7 + j % 80 for j in range(16)], "max_tokens": tokens,
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": _fresh_prompt(), "max_tokens": tokens,
                                               "ignore_eos": True, "n": batch, "temperature": 1.0},
                timeout=600.0).raise_for_status()
     return time.perf_counter() - t0
