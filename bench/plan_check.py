@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -95,6 +96,22 @@ def table(title: str, rows: list) -> None:
               f"{share(pred['lag'])} | {tv(real['lag'], pred['lag']):.3f} |")
 
 
+def summary(repeats: int, pairs: dict[str, list[tuple[dict, dict]]]) -> None:
+    """Per case over its reps: measured samples/s median (min-max), predicted median, pred / meas median (min-max),
+    TV distance median (max)."""
+    med = statistics.median
+    print(f"\nOver {repeats} runs per case (each predicted from its own workload): medians (min-max)\n")
+    print("| case | measured samples/s | predicted | pred/meas | lag TV distance |")
+    print("|---|---|---|---|---|")
+    for name, ps in pairs.items():
+        meas = [r["samples_per_s"] for r, _ in ps]
+        ratio = [p["samples_per_s"] / r["samples_per_s"] for r, p in ps]
+        dist = [tv(r["lag"], p["lag"]) for r, p in ps]
+        print(f"| {name} | {med(meas):.0f} ({min(meas):.0f}-{max(meas):.0f}) | "
+              f"{med(p['samples_per_s'] for _, p in ps):.0f} | {med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
+              f"{med(dist):.3f} ({max(dist):.3f}) |")
+
+
 def tv(p: dict[int, int], q: dict[int, int]) -> float:
     """Total-variation distance of two histograms (each normalised): 0 same, 1 disjoint."""
     sp, sq = sum(p.values()) or 1, sum(q.values()) or 1
@@ -115,23 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--out", default="", help="run folder (default runs/plan-check/<config name>)")
     ap.add_argument("--report-only", action="store_true", help="only read the runs already in --out")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per case (rep 0, 1, ...; a rep already in --out is read, not run again); with more than "
+                         "one, a table of medians and ranges over the reps follows")
     ap.add_argument("--cores", type=float, default=0, help="model the roles sharing this many cores (0: no)")
     ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit extra per-group reply work to these runs")
     args = ap.parse_args(argv)
     config = Path(args.config).resolve()
     out = Path(args.out or REPO / "runs" / "plan-check" / config.stem)
     out.mkdir(parents=True, exist_ok=True)
-    reals = {}
-    for name in args.cases.split(","):
-        mode = "sync" if "sync" in name else "pipelined"
-        if not args.report_only:
-            from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
+    reals, reps = {}, {}
+    for rep in range(args.repeats):  # the cases in turn, so that a drift of the machine's load spreads over all
+        for name in args.cases.split(","):
+            mode = "sync" if "sync" in name else "pipelined"
+            run_dir = out / f"{name}-{mode}-{rep}"
+            if not args.report_only and not (run_dir / "summary.json").exists():
+                from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
 
-            run_once(config, name, mode, 0, out, 3.0, args.steps, CASES[name] + COMMON)
-        reals[name] = read(out / f"{name}-{mode}-0", args.skip)
-        r = reals[name]
-        print(f"{name}: measured {r['samples_per_s']:.1f} samples/s, {r['step_s'] * 1e3:.0f} ms/step, "
-              f"lag {share(r['lag'])}", flush=True)
+                run_once(config, name, mode, rep, out, 3.0, args.steps, CASES[name] + COMMON)
+            r = read(run_dir, args.skip)
+            reps.setdefault(name, []).append(r)
+            reals.setdefault(name, r)
+            print(f"{name} (rep {rep}): measured {r['samples_per_s']:.1f} samples/s, {r['step_s'] * 1e3:.0f} ms/step, "
+                  f"lag {share(r['lag'])}", flush=True)
     if not args.profile:
         return 0
     from inflight.plan.profile import Profile
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     table(f"PREDICTED from profile {args.profile}{shared}{reply} vs MEASURED ({config.name}, runs in {out}; "
           f"samples/s after step {args.skip})", rows)
     results["profile"] = rows
+    if args.repeats > 1:  # each rep predicted from its own workload (lengths, trained share)
+        summary(args.repeats, {n: [(r, pred(profile, n)) for r in rs] for n, rs in reps.items()})
     reply_fields = [f"{r}_s_per_{u}" for r in ("server", "actor", "trainer") for u in ("group", "token")]
     if any(getattr(profile, f) for f in reply_fields):  # what the profile predicts without its reply work
         bare = profile.model_copy(update={f: 0.0 for f in reply_fields})

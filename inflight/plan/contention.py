@@ -4,7 +4,9 @@ a pipeline whenever the roles overlap in time.
 
 Model (processor sharing): while the busy roles want D threads on C cores and D > C, each runs at C / D of its own
 speed. The simulator records how long each combination of busy roles lasted (Simulator.occupancy); each role's
-slowdown is the time-weighted mean of max(1, D / C) over the time it was busy; the profile's figures are divided by
+slowdown is the time-weighted mean of max(1, D / C) over the time it was busy, times the profile's measured co-run
+factor (`trainer_corun` / `server_corun`, corun.py: shared cache and memory bandwidth) over the time the trainer and
+a server computed together; the profile's figures are divided by
 those slowdowns and the loop simulated again, until the slowdowns settle (a fixed point, damped). Overlap is thus
 taken from the simulated loop itself: in sync mode, where generation and training alternate, the trainer runs at
 its own speed; pipelined, it shares the cores with the server and the actor.
@@ -36,8 +38,10 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
 
 
 def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, trainer_threads: float = 1.0,
-              server_threads: float = 1.0, actor_threads: float = 1.0) -> tuple[float, float, float]:
-    """(trainer, server, actor) slowdowns from the time spent in each (trainer, servers, actor) busy state."""
+              server_threads: float = 1.0, actor_threads: float = 1.0,
+              corun: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float, float]:
+    """(trainer, server, actor) slowdowns from the time spent in each (trainer, servers, actor) busy state; `corun`:
+    the (trainer, server) factors while both compute (Profile.trainer_corun, server_corun)."""
     out = []
     for role in range(3):
         num = den = 0.0
@@ -45,7 +49,8 @@ def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, traine
             if (t, s, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
                 continue
             demand = t * trainer_threads + s * server_threads + a * actor_threads
-            num += dt * max(1.0, demand / cores)
+            both = corun[role] if role < 2 and t and s else 1.0
+            num += dt * max(1.0, demand / cores) * both
             den += dt
         out.append(num / den if den else 1.0)
     return out[0], out[1], out[2]
@@ -57,7 +62,8 @@ def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_thre
     s = (1.0, 1.0, 1.0)
     result = simulate(profile, cfg, occupancy=True)
     for _ in range(passes):
-        new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads)
+        new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads,
+                        (profile.trainer_corun, profile.server_corun))
         s = tuple((a + b) / 2 for a, b in zip(s, new, strict=True))  # damped: the overlap moves with the speeds
         result = simulate(slowed(profile, *s), cfg, occupancy=True)
     result.extra["slowdown"] = dict(zip(("trainer", "server", "actor"), s, strict=True))

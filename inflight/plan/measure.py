@@ -13,27 +13,39 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 
 
-def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: int) -> list[list[float]]:
-    """timer(batch, prompt_tokens, new_tokens) -> seconds; rows per context (prompt = context - mean new tokens)."""
+def _median(fn, repeats: int) -> float:
+    vals = sorted(fn() for _ in range(max(1, repeats)))
+    return vals[len(vals) // 2]
+
+
+def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: int,
+                 repeats: int = 3) -> list[list[float]]:
+    """timer(batch, prompt_tokens, new_tokens) -> seconds; rows per context (prompt = context - mean new tokens).
+    Each point is the median of `repeats` differences, the two lengths timed in turn: one pair alone moved by
+    20-60% between two profiles of the same machine minutes apart (issue 26), more than the simulator's goal."""
     rows = []
     for ctx in contexts:
         prompt = max(1, ctx - (n1 + n2) // 2)
         row = []
         for b in batches:
-            t1, t2 = timer(b, prompt, n1), timer(b, prompt, n2)
-            row.append(max((t2 - t1) / (n2 - n1), 1e-6))
+            def diff() -> float:
+                t1 = timer(b, prompt, n1)
+                return timer(b, prompt, n2) - t1
+
+            row.append(max(_median(diff, repeats) / (n2 - n1), 1e-6))
         rows.append(row)
     return rows
 
 
 # ---- the built-in engine, in this process -------------------------------------------------------------------------
 def measure_engine(model_path: str, batches: list[int], contexts: list[int], threads: int = 1,
-                   new_tokens: tuple[int, int] = (8, 40), precision: str = "float32") -> tuple[EngineProfile, float]:
+                   new_tokens: tuple[int, int] = (8, 40), precision: str = "float32",
+                   repeats: int = 3) -> tuple[EngineProfile, float]:
     """(EngineProfile, pause_s): the built-in engine's step-time grid, prefill tokens/s, and the seconds a weight
     swap of all parameters stops it (run_paused + load_weights, as a push does)."""
     import torch
@@ -67,10 +79,10 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
 
     try:
         timer(2, 8, 4)  # warm-up (kernels built, caches touched)
-        grid = _decode_grid(timer, batches, contexts, n1, n2)
+        grid = _decode_grid(timer, batches, contexts, n1, n2, repeats)
         # prefill: distinct long prompts, one new token each (one decode step is negligible beside them)
         pb, plen = min(16, max(batches)), max(32, max(contexts) - n2)
-        prefill_tok_s = pb * plen / timer(pb, plen, 1)
+        prefill_tok_s = pb * plen / _median(lambda: timer(pb, plen, 1), repeats)
         new = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
         pauses = []
         for _ in range(3):
@@ -87,7 +99,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
 
 # ---- any OpenAI-compatible server, over HTTP ----------------------------------------------------------------------
 def measure_server(url: str, batches: list[int], contexts: list[int], model: str = "",
-                   new_tokens: tuple[int, int] = (16, 80), api_key: str = "") -> EngineProfile:
+                   new_tokens: tuple[int, int] = (16, 80), api_key: str = "", repeats: int = 3) -> EngineProfile:
     """The step-time curve of a running server (vLLM, SGLang or inflight serve) from /v1/completions: b requests at
     once, ignore_eos, two lengths; prompts given as token ids (ids 5..94), so their lengths are exact."""
     import aiohttp
@@ -120,7 +132,7 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
     timer = lambda b, p, n: asyncio.run(burst(b, p, n))  # noqa: E731
     timer(2, 8, 4)
     n1, n2 = new_tokens
-    grid = _decode_grid(timer, batches, contexts, n1, n2)
+    grid = _decode_grid(timer, batches, contexts, n1, n2, repeats)
     pb, plen = min(16, max(batches)), max(32, max(contexts) - n2)
     prefill_tok_s = pb * plen / timer(pb, plen, 1)
     return EngineProfile(name=f"server {base}", model=model, max_batch=max(batches),
@@ -129,11 +141,12 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
 
 
 # ---- the trainer --------------------------------------------------------------------------------------------------
-def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
-                    completion: int = 12, steps: int = 3) -> TrainerProfile:
-    """Forward + backward tokens/s (all samples trained: advantages +-1) of `groups` groups of `group_size` samples
-    sharing a prompt, packed as the trainer loop packs them, and the optimizer step's seconds. `cfg`: TrainerConfig.
-    Tokens counted as the simulator counts them: prompt + completion of every sample."""
+def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
+                  completion: int = 12) -> tuple[Callable[[], tuple[float, float]], int]:
+    """(step, tokens): step() runs forward + backward (all samples trained: advantages +-1) of `groups` groups of
+    `group_size` samples sharing a prompt, packed as the trainer loop packs them, then the optimizer step, and
+    returns (backward seconds, optimizer seconds); tokens counted as the simulator counts them: prompt +
+    completion of every sample. `cfg`: TrainerConfig."""
     from inflight.algo.config import AlgoConfig
     from inflight.algo.losses import make_loss
     from inflight.contracts import Sample
@@ -153,17 +166,26 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
             adv.append(1.0 if i % 2 else -1.0)
     loss_fn = make_loss(AlgoConfig())
     n_tok = count_loss_tokens(samples)
-    tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    back, opt = [], []
-    for _ in range(steps + 1):  # the first is a warm-up
+
+    def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         for mb in pack_samples(samples, adv, cfg.micro_batch_tokens, len(samples), n_tok):
             trainer.backward(mb, loss_fn)
         t1 = time.perf_counter()
         trainer.optimizer_step()
-        back.append(t1 - t0)
-        opt.append(time.perf_counter() - t1)
-    b, o = sorted(back[1:])[len(back[1:]) // 2], sorted(opt[1:])[len(opt[1:]) // 2]
+        return t1 - t0, time.perf_counter() - t1
+
+    return step, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+
+
+def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
+                    completion: int = 12, steps: int = 7) -> TrainerProfile:
+    """Forward + backward tokens/s and the optimizer step's seconds (trainer_bench), medians of `steps` after a
+    warm-up. `cfg`: TrainerConfig."""
+    step, tokens = trainer_bench(model_path, cfg, group_size, groups, prompt, completion)
+    step()  # warm-up
+    back, opt = zip(*(step() for _ in range(steps)), strict=True)
+    b, o = sorted(back)[len(back) // 2], sorted(opt)[len(opt) // 2]
     devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
     return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o)
 

@@ -108,6 +108,11 @@ class Profile(_Strict):
     # group, trained samples or not)
     trainer_s_per_group: float = Field(0.0, ge=0)
     trainer_s_per_token: float = Field(0.0, ge=0)
+    # how many times slower the trainer / a server computes while the other computes on the same machine, on cores
+    # of their own (shared cache and memory bandwidth; corun.py); only contention.py (roles sharing one machine)
+    # applies them, never roles on devices of their own
+    trainer_corun: float = Field(1.0, ge=1)
+    server_corun: float = Field(1.0, ge=1)
 
     def server_reply_s(self, completion_tokens: int) -> float:
         """Seconds a group of `completion_tokens` stops its server (the reply)."""

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="where to write the profile (JSON)")
     parser.add_argument("--batches", type=_ints, default=None, help="decode batch sizes (default 1,8,32,...,max_batch)")
     parser.add_argument("--contexts", type=_ints, default=None, help="contexts in tokens (default 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per decode point and prefill (median)")
     parser.add_argument("--server", default="", help="time a running OpenAI-compatible server at this URL instead")
     parser.add_argument("--no-trainer", action="store_true", help="with --server: trainer figures from --tokens-per-s")
     parser.add_argument("--tokens-per-s", type=float, default=0.0, help="trainer tokens/s when not measured")
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reply-lengths", type=_ints, default=None,
                         help="two completion lengths the reply work is timed at (default max_new_tokens/4,"
                              "max_new_tokens)")
+    parser.add_argument("--no-corun", action="store_true",
+                        help="do not measure how much the trainer and a server slow each other computing at once on "
+                             "this machine (corun.py; measured by default with the built-in engine)")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="trainer measurement: prompt tokens per group")
     parser.add_argument("--completion-tokens", type=int, default=12, help="trainer measurement: tokens per completion")
 
@@ -78,10 +82,11 @@ def run(args: argparse.Namespace) -> int:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     pause = 0.0
     if args.server:
-        engine = measure.measure_server(args.server, batches, contexts, api_key=cfg.server.api_key)
+        engine = measure.measure_server(args.server, batches, contexts, api_key=cfg.server.api_key,
+                                        repeats=args.repeats)
     else:
         engine, pause = measure.measure_engine(cfg.model.path, batches, contexts, threads=cfg.server.threads,
-                                               precision=cfg.server.generator_precision)
+                                               precision=cfg.server.generator_precision, repeats=args.repeats)
     print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
     push = args.push_s
@@ -99,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         trainer = measure.measure_trainer(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
                                           prompt=args.prompt_tokens, completion=args.completion_tokens)
         print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms")
+    if not (args.server or args.no_trainer or args.no_corun) and cfg.server.engine == "builtin":
+        reply.update(measure_corun(cfg, args.prompt_tokens, args.completion_tokens))
     prof = Profile(source=f"measured by `inflight profile {args.config}` on {platform.node()} ({platform.machine()}, "
                           f"{platform.processor() or 'cpu'}) at {when}",
                    notes=f"server threads {cfg.server.threads}, trainer threads {cfg.trainer.threads}, trainer "
@@ -108,6 +115,20 @@ def run(args: argparse.Namespace) -> int:
                    push_s=pause if push is None else push, overhead_s=args.overhead_s, **reply)
     print(f"profile written to {prof.save(args.out)}")
     return 0
+
+
+def measure_corun(cfg, prompt: int, completion: int) -> dict[str, float]:
+    """Profile.trainer_corun / server_corun: the trainer's step beside a server decoding a step's batch, and back."""
+    from inflight.plan.corun import measure_interference
+    from inflight.plan.measure import trainer_bench
+
+    step, _ = trainer_bench(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
+                            prompt=prompt, completion=completion)
+    batch = min(cfg.server.max_batch, cfg.actor.group_size * cfg.actor.groups_per_step)
+    trainer, server = measure_interference(cfg, lambda: sum(step()), batch)
+    print(f"co-run: the trainer {trainer:.2f}x slower beside a server decoding {batch} sequences, the server "
+          f"{server:.2f}x slower beside the trainer")
+    return {"trainer_corun": trainer, "server_corun": server}
 
 
 def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:

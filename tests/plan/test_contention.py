@@ -20,6 +20,12 @@ def test_slowdowns_by_hand():
     assert s == pytest.approx((1 + 2 * 1.5) / 3)
     assert a == pytest.approx(1.5)
     assert slowdowns(occ, cores=4) == (1.0, 1.0, 1.0)  # enough cores: nobody waits
+    # measured co-run factors apply only while the trainer and a server both compute, on top of the sharing
+    t, s, a = slowdowns(occ, cores=2, corun=(1.2, 1.1))
+    assert t == pytest.approx((1 + 1.2 + 2 * 1.5 * 1.2) / 4)
+    assert s == pytest.approx((1.1 + 2 * 1.5 * 1.1) / 3)
+    assert a == pytest.approx(1.5)  # the actor has no co-run factor
+    assert slowdowns(occ, cores=4, corun=(1.2, 1.1)) == pytest.approx(((1 + 3 * 1.2) / 4, 1.1, 1.0))
 
 
 def test_slowed_profile_scales_every_role():

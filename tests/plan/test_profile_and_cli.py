@@ -122,6 +122,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
         assert 0 < reply < 0.5
     assert "measured by `inflight profile" in p.source
+    assert 1.0 <= p.trainer_corun < 3.0 and 1.0 <= p.server_corun < 3.0  # measured beside each other (corun.py)
 
 
 @pytest.mark.slow
@@ -180,3 +181,17 @@ def test_a_step_s_lengths_spread_from_its_min_to_its_max_with_its_mean():
     assert v == sorted(v) and (v[0], v[-1]) == (27, 139) and len(v) == 128
     assert sum(v) / 128 == pytest.approx(65.0, abs=0.5) and len(set(v)) > 50 and v[64] < 65
     assert spread(4, 3.0, 3, 3) == [3, 3, 3, 3] and spread(1, 7.0, 7, 7) == [7]
+
+
+def test_trained_share_counts_tokens_as_the_simulator_does():
+    from inflight.plan.runs import trained_share
+
+    # 2 groups of 4 per step, 10-token prompts. Step 1: one group trained (its completions 4 x 5 tokens; the other
+    # group's 4 x 20 untrained): the trainer ran 10 + 20 = 30 forward tokens (prompt once).
+    s1 = {"samples": 8, "trained_samples": 4, "prompt_tokens": 20, "completion_tokens": 100, "trainer_tokens": 30}
+    # step 2: both trained, 8 x 10 completion tokens, 2 prompts: 100 forward tokens
+    s2 = {"samples": 8, "trained_samples": 8, "prompt_tokens": 20, "completion_tokens": 80, "trainer_tokens": 100}
+    # simulator's count: prompt + completion of every sample. Trained: (4 x 10 + 20) + (8 x 10 + 80); all: 180 + 160
+    assert trained_share([s1, s2], groups_per_step=2) == pytest.approx((60 + 160) / (180 + 160))
+    # by samples it would be 12 / 16 = 0.75: the long untrained group weighs more by tokens
+    assert trained_share([{"samples": 8, "trained_samples": 2}], 2) == pytest.approx(0.25)  # old records: by samples

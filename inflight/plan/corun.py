@@ -1,0 +1,114 @@
+"""How much the trainer and a server slow each other when both compute at once on one machine's cores, measured.
+
+contention.py's processor sharing only slows roles down when they want more threads than there are cores. Two
+compute-bound roles on two separate cores still slow each other: they share the last-level cache and the memory
+bandwidth (on the 2-core CPU here the trainer ran 1.4-1.5x slower beside a decoding server than alone; issue 26).
+That factor depends on the machine and the models, so it is measured, not guessed:
+
+- trainer: forward + backward + optimizer seconds of the same packed batch, alone and while a real `inflight serve`
+  decodes a full batch (HTTP requests with ignore_eos kept in flight by a load thread);
+- server: the seconds of a decode burst (b sequences x n tokens, less the same burst's prefill-only time), alone and
+  while the trainer trains in a thread of this process.
+
+Each factor is slowed / alone (>= 1 by construction of the model: a ratio under 1 is noise and is kept at 1).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+
+class _Toggled(threading.Thread):
+    """Runs `work()` over and over while `on` is set; `idle` is set whenever no call is in progress."""
+
+    def __init__(self, work: Callable[[], object], name: str):
+        super().__init__(name=name, daemon=True)
+        self.work, self.on, self.idle, self.stop = work, threading.Event(), threading.Event(), threading.Event()
+        self.idle.set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.on.wait(0.01):
+                continue
+            self.idle.clear()
+            try:
+                self.work()
+            finally:
+                self.idle.set()
+
+    def set(self, on: bool) -> None:
+        if on:
+            self.on.set()
+            time.sleep(0.2)  # under way (a decode load: past its prefill)
+        else:
+            self.on.clear()
+            self.idle.wait()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.on.set()
+        self.join()
+
+
+def _fresh_prompt() -> list[int]:
+    """16 token ids (valid in any vocabulary), new each request: a server's prefix cache must not skip the prefill."""
+    return [5 + random.randrange(90) for _ in range(16)]
+
+
+def _burst(url: str, model: str, batch: int, tokens: int) -> float:
+    """Seconds for one request of `batch` completions of `tokens` new tokens (ignore_eos)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    httpx.post(url + "/v1/completions", json={"model": model, "prompt": _fresh_prompt(), "max_tokens": tokens,
+                                              "ignore_eos": True, "n": batch, "temperature": 1.0},
+               timeout=600.0).raise_for_status()
+    return time.perf_counter() - t0
+
+
+def _decode_s(url: str, model: str, batch: int, tokens: int, repeats: int) -> float:
+    """Median seconds of the decode steps alone: a burst of `tokens` minus one of 1 token (prefill, HTTP)."""
+    return statistics.median(_burst(url, model, batch, tokens) - _burst(url, model, batch, 1)
+                             for _ in range(repeats))
+
+
+def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, tokens: int = 64,
+                         rounds: int = 4, per_round: int = 3) -> tuple[float, float]:
+    """(trainer factor, server factor): slowed / alone, medians over `rounds` alternations of the other role off and
+    on (`per_round` timings each), so that a drift of the machine's load hits both alike. `cfg`: RunConfig (model,
+    server threads); `train_step()` runs one trainer step and returns its seconds."""
+    import httpx
+
+    from inflight.engine.serve import ServerProcess
+
+    args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len),
+            "--max-batch", str(max(batch, 1))]
+    with ServerProcess(cfg.model.path, extra_args=args) as server:
+        url = server.url
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        _burst(url, model, 2, 4)  # warm-up
+        train_step()
+        decoding = _Toggled(lambda: _burst(url, model, batch, tokens), "decode-load")
+        training = _Toggled(train_step, "train-load")
+        decoding.start()
+        training.start()
+        t_alone, t_slowed, s_alone, s_slowed = [], [], [], []
+        try:
+            for _ in range(rounds):
+                for on, out in ((False, t_alone), (True, t_slowed)):
+                    decoding.set(on)
+                    out += [train_step() for _ in range(per_round)]
+                decoding.set(False)
+                for on, out in ((False, s_alone), (True, s_slowed)):
+                    training.set(on)
+                    out += [_decode_s(url, model, batch, tokens, 1) for _ in range(per_round)]
+                training.set(False)
+        finally:
+            decoding.close()
+            training.close()
+    med = statistics.median
+    return max(1.0, med(t_slowed) / med(t_alone)), max(1.0, med(s_slowed) / med(s_alone))
