@@ -103,6 +103,24 @@ def test_a_shorter_common_prefix_and_a_group_of_samples(engines, ref64):
         assert_float64(ref64, group, o)
 
 
+def test_torch_attention_path(tiny_model_dir, ref64):
+    """With two threads the fast path attends with torch ops (batched decodes, one masked SDPA per prompt chunk)
+    instead of the C kernel: a continuation that overwrites the end of a retained slot is exact there too."""
+    eng = fresh_engine(tiny_model_dir, max_batch=4, max_model_len=200, max_tokens_per_step=16, threads=2)
+    try:
+        p1 = ids(37, start=17)
+        ev1, _, _ = run(eng, "t0", p1)
+        p2 = p1 + toks(ev1)[:9] + ids(20, start=44)  # cut inside the reply; the delta spans two chunks
+        sp = SamplingParams(max_tokens=10, ignore_eos=True, n=2, seed=3)
+        ev2, pre, reused = run(eng, "t1", p2, sp)
+        assert (pre, reused) == (20, len(p1) + 9)
+        for i in range(2):
+            assert_float64(ref64, p2, choice(ev2, i))
+    finally:
+        eng.stop()
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("mode", ["interrupt", "keep"])
 def test_an_update_drops_retained_kv(tiny_model_dir, mode):
     """After an update (either mode) the next turn is prefilled again and its logprobs are the new weights' over
