@@ -22,10 +22,9 @@ torch.set_num_threads(1)
 def servers(tiny_model_dir):
     from inflight.engine.serve import ServerProcess
 
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                       env={"OMP_NUM_THREADS": "1"}) as a, \
-            ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"],
-                          env={"OMP_NUM_THREADS": "1"}) as b:
+    args = ["--max-model-len", "512", "--no-prefix-reuse"]  # bit-reproducible fingerprints (test_weight_sync.py)
+    with ServerProcess(str(tiny_model_dir), extra_args=args, env={"OMP_NUM_THREADS": "1"}) as a, \
+            ServerProcess(str(tiny_model_dir), extra_args=args, env={"OMP_NUM_THREADS": "1"}) as b:
         yield [a, b]
 
 
