@@ -1,14 +1,17 @@
-"""Prefill tokens per multi-turn episode: what the built-in engine runs through the model today (every turn
-prefills the whole episode so far: no prefix reuse), against what prefix reuse would leave (the first prompt, then
-per later turn only the tokens the cache would lack: the previous turn's last sampled token and the environment's
-delta).
+"""Prefill tokens per multi-turn episode, with the built-in engine's prefix reuse off and on: without it every turn
+prefills the whole episode so far; with it (engine/prefix_cache.py) a later turn continues the previous turn's
+retained KV and prefills only the tokens the cache lacks (the previous turn's last sampled token, never run
+through the model, and the environment's delta).
 
     .venv/bin/inflight make-model --task arith runs/models/tiny-bench
     .venv/bin/python bench/episode_prefill.py --model runs/models/tiny-bench --episodes 16 --turns 4
 
-Episodes: a scripted environment answers every model turn with a tool message until `--turns` model turns; the
-measured figure is the server's own counter (`inflight_prefill_tokens_total` of /metrics) over the run, divided by
-the number of episodes, and checked against the prompts the episodes sent.
+Episodes: a scripted environment answers every model turn with a tool message until `--turns` model turns. One
+server per setting (`--no-prefix-reuse` / `--prefix-reuse`), the same episodes run on each; the measured figures
+are the server's own counters (`inflight_prefill_tokens_total`, `inflight_prefix_reused_tokens_total` of /metrics)
+over the run, per episode, checked against the prompts the episodes sent; "expected" is what exact reuse of each
+episode's own previous turn leaves (first prompt + environment tokens + one token per later turn). Wall time is
+that of all episodes at once (concurrent), so it includes decoding, HTTP and the environment.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import time
 
 import httpx
 from transformers import AutoTokenizer
@@ -42,9 +46,11 @@ class ToolEveryTurn:
         return StepResult([{"role": "tool", "content": f"result: {56088 + self.n}"}])
 
 
-def prefill_counter(url: str) -> float:
+def counters(url: str) -> tuple[float, float]:
+    """(prefill tokens, reused prompt tokens) so far, from the server's /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return float(re.search(r"^inflight_prefill_tokens_total (\S+)$", text, re.M).group(1))
+    return tuple(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # type: ignore[return-value]
+                 for name in ("inflight_prefill_tokens_total", "inflight_prefix_reused_tokens_total"))
 
 
 async def episodes(url: str, render: TurnRenderer, n: int, turns: int, max_new: int):
@@ -59,6 +65,26 @@ async def episodes(url: str, render: TurnRenderer, n: int, turns: int, max_new: 
         await pool.aclose()
 
 
+def measure(args, render: TurnRenderer, reuse: bool) -> dict:
+    flag = "--prefix-reuse" if reuse else "--no-prefix-reuse"
+    with ServerProcess(args.model, extra_args=["--threads", "1", "--max-model-len", "2048", flag]) as server:
+        before = counters(server.url)
+        t0 = time.perf_counter()
+        samples = asyncio.run(episodes(server.url, render, args.episodes, args.turns, args.max_new_tokens))
+        wall = time.perf_counter() - t0
+        after = counters(server.url)
+    n = len(samples)
+    prefill, reused = ((a - b) / n for a, b in zip(after, before))
+    sent = sum(s.meta["prefill_tokens"] for s in samples) / n
+    prompt = sum(len(s.prompt_ids) for s in samples) / n
+    later = sum(s.meta["turns"] - 1 for s in samples) / n
+    env = sum(s.meta["env_tokens"] for s in samples) / n
+    assert abs(prefill + reused - sent) < 1e-6, (prefill, reused, sent)  # every prompt token: run or reused
+    return dict(reuse=reuse, n=n, turns=sum(s.meta["turns"] for s in samples) / n, prompt=prompt, env=env,
+                model=sum(sum(s.loss_mask) for s in samples) / n, sent=sent, prefill=prefill, reused=reused,
+                expected=sent if not reuse else prompt + env + later, wall=wall)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -67,22 +93,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     args = ap.parse_args()
     render = TurnRenderer(AutoTokenizer.from_pretrained(args.model))
-    with ServerProcess(args.model, extra_args=["--threads", "1", "--max-model-len", "2048"]) as server:
-        before = prefill_counter(server.url)
-        samples = asyncio.run(episodes(server.url, render, args.episodes, args.turns, args.max_new_tokens))
-        measured = (prefill_counter(server.url) - before) / len(samples)
-    n = len(samples)
-    sent = sum(s.meta["prefill_tokens"] for s in samples) / n
-    prompt = sum(len(s.prompt_ids) for s in samples) / n
-    model = sum(sum(s.loss_mask) for s in samples) / n
-    env = sum(s.meta["env_tokens"] for s in samples) / n
-    later = sum(s.meta["turns"] - 1 for s in samples) / n
-    reuse = prompt + env + later  # per later turn: the previous turn's last token was never run through the model
-    print(f"| episodes | turns | first prompt | model tokens | env tokens | prefill measured (no reuse) | "
-          f"prompts sent | with prefix reuse | saving |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {n} | {sum(s.meta['turns'] for s in samples) / n:.1f} | {prompt:.0f} | {model:.0f} | {env:.0f} | "
-          f"{measured:.0f} | {sent:.0f} | {reuse:.0f} | {measured / reuse:.1f}x |")
+    rows = [measure(args, render, reuse) for reuse in (False, True)]
+    print("| prefix reuse | episodes | turns | first prompt | model tokens | env tokens | prompts sent | "
+          "prefill measured | reused measured | expected prefill | wall s (all episodes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {'on' if r['reuse'] else 'off'} | {r['n']} | {r['turns']:.1f} | {r['prompt']:.0f} | "
+              f"{r['model']:.0f} | {r['env']:.0f} | {r['sent']:.0f} | {r['prefill']:.0f} | {r['reused']:.0f} | "
+              f"{r['expected']:.0f} | {r['wall']:.1f} |")
+    off, on = rows
+    print(f"\nprefill tokens per episode: {off['prefill']:.0f} -> {on['prefill']:.0f} "
+          f"({off['prefill'] / on['prefill']:.1f}x fewer); wall {off['wall']:.1f} s -> {on['wall']:.1f} s")
 
 
 if __name__ == "__main__":

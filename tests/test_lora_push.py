@@ -236,7 +236,11 @@ def test_malformed_adapters_are_refused_and_change_nothing(server, sync, tiny_mo
         assert MESSAGES[case] in r.json()["error"]["message"], (case, r.text)
         assert version_of(server.url) == v + 1
     after = chat(server.url)
-    assert after["token_ids"] == before["token_ids"] and after["logprobs"] == before["logprobs"]
+    # the same request again: with prefix reuse its prompt's KV comes from the first one and only its last prompt
+    # token runs again (alone), so the logprobs agree to float32 rounding, not bit for bit
+    assert after["token_ids"] == before["token_ids"]
+    lp = lambda c: [e["logprob"] for e in c["logprobs"]["content"]]  # noqa: E731
+    assert max(abs(a - b) for a, b in zip(lp(after), lp(before))) < 1e-5
     assert max_error(tiny_model_dir, merged64(w0, served, 1.0), after) < 1e-3
     # the group is still in step: a good adapter over it is applied
     good = make_adapter(w0, [Q0], rank=4, seed=11)

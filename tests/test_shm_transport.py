@@ -26,8 +26,9 @@ def servers(tiny_model_dir):
     from inflight.engine.serve import ServerProcess
 
     env = {"OMP_NUM_THREADS": "1", "INFLIGHT_SHM_STALL_S": "2"}  # a trainer that stopped: a 409 after 2 s
-    with ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"], env=env) as a, \
-            ServerProcess(str(tiny_model_dir), extra_args=["--max-model-len", "512"], env=env) as b:
+    args = ["--max-model-len", "512", "--no-prefix-reuse"]  # bit-reproducible fingerprints (test_weight_sync.py)
+    with ServerProcess(str(tiny_model_dir), extra_args=args, env=env) as a, \
+            ServerProcess(str(tiny_model_dir), extra_args=args, env=env) as b:
         yield [a, b]
 
 

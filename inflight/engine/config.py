@@ -12,6 +12,7 @@ class ServerConfig:
     max_batch: int = 128  # sequences decoded together
     max_model_len: int = 512
     max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)
+    prefix_reuse: bool = True  # built-in engine: finished sequences' KV reused by prompts that continue them
     api_key: str = ""
     threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
     python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)

@@ -12,6 +12,12 @@ An aborted choice (abort(), a cancelled consumer, stop()) ends with an event of 
 `generate(..., stream=False)` holds a request's events on the engine thread and hands them over once, when its
 last choice ends: a consumer that only wants the whole completion is not woken once per step.
 
+Prefix reuse (`prefix_reuse`, prefix_cache.py): a finished sequence's slot keeps its KV while no one needs the
+slot, and a request whose prompt continues it (a multi-turn episode's next turn) prefills only the rest. Only KV
+of the current weights is reused: every update (keep or interrupt) drops what is retained, and a sequence that ran
+across a `keep` update is not retained. So a request still runs entirely on the weights of the versions its tokens
+carry, exactly as with a full prefill (keep mode's stale KV stays confined to the sequences running at the update).
+
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
 carries the version of the weights of the forward that produced it. `generate(..., min_version=v)` holds a request
@@ -31,12 +37,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import heapq
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 import torch
@@ -45,7 +49,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from inflight.contracts import tied_aliases
 from inflight.engine import llama_runner, precision
 from inflight.engine.hf_runner import HFRunner
+from inflight.engine.prefix_cache import Slots
 from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
+from inflight.engine.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
 from inflight.engine.step import StepPlan
 from inflight.modelkit.stops import stop_token_ids
 from inflight.modelkit.check import check_model_dir
@@ -54,50 +60,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class VersionNotReached(RuntimeError):
-    """A request's min_version was not reached within its version_wait_s (the server answers 409)."""
-
-
-@dataclass
-class TokenEvent:
-    index: int  # choice index 0..n-1
-    token_id: int  # -1 on a final event that carries no token (abort)
-    logprob: float
-    version: int
-    top_logprobs: list[tuple[int, float]] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" on the last event of the choice
-
-
-class _Request:
-    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: set[int], loop, queue,
-                 stream: bool, min_version: int = 0, deadline: float = float("inf")):
-        self.rid, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
-        self.loop, self.queue = loop, queue
-        self.min_version, self.deadline = min_version, deadline  # held until the weights reach min_version
-        self.seqs: list[_Seq] = []
-        self.unfinished = params.n
-        self.held: list[TokenEvent] | None = None if stream else []  # events kept until the request ends
-
-
-class _Seq:
-    __slots__ = ("req", "index", "slot", "tokens", "num_cached", "n_gen", "gen", "active", "split_pending", "done")
-
-    def __init__(self, req: _Request, index: int, slot: int):
-        self.req, self.index, self.slot = req, index, slot
-        self.tokens = list(req.prompt)
-        self.num_cached = 0  # tokens whose KV is in the cache
-        self.n_gen = 0
-        seed = req.params.seed
-        self.gen = None if seed is None else torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
-        self.active = index == 0  # choices > 0 start when choice 0 has prefilled the shared prompt
-        self.split_pending = index == 0 and req.params.n > 1
-        self.done = False
-
-
 class InferenceEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
                  max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
-                 generator_precision: str = "float32"):
+                 generator_precision: str = "float32", prefix_reuse: bool = True):
         if threads > 0:
             torch.set_num_threads(threads)
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -130,8 +96,9 @@ class InferenceEngine:
         self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
         self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
         self.version = 0
-        # state owned by the engine thread
-        self._free = list(range(max_batch))  # a min-heap: low slots first keeps decode slots contiguous
+        # state owned by the engine thread; finished sequences' slots kept for prefix reuse (the HF runner cannot
+        # shorten its caches: there only a sequence's whole KV is reused)
+        self._slots = Slots(max_batch, self.runner.reset_slot, prefix_reuse, exact_only=not self.fast_path)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._held: list[_Request] = []  # waiting for weights of their min_version, in arrival order
         self._running: list[_Seq] = []
@@ -149,7 +116,8 @@ class InferenceEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._in_pause = False
-        self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0)
+        self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0,
+                        prefix_reused_tokens_total=0)
 
     # ---------------------------------------------------------------- public API (any thread / asyncio loop)
     def start(self) -> None:
@@ -250,11 +218,13 @@ class InferenceEngine:
         if mode == "interrupt":
             for s in self._running:
                 s.num_cached = 0  # re-prefill prompt + tokens so far before the next token
+        self._slots.drop_retained()  # a request after the update starts from the new weights only (both modes)
 
     def stats(self) -> dict[str, float]:
         running = len(self._running)
         return dict(running=running, waiting=len(self._waiting) + len(self._inbox) + len(self._held),
-                    batch_occupancy=running / self.max_batch, version=self.version, **self._st)
+                    batch_occupancy=running / self.max_batch, version=self.version, retained=self._slots.retained,
+                    **self._st)
 
     # ---------------------------------------------------------------- engine thread
     def _loop(self) -> None:
@@ -291,7 +261,7 @@ class InferenceEngine:
                     self._finish_request(req)
                     req.loop.call_soon_threadsafe(req.queue.put_nowait, e)
                 self._running, self._waiting, self._held, self._out = [], collections.deque(), [], {}
-                self._free = list(range(self.max_batch))
+                self._slots.reset_all()
             self._flush()
         with self._cv:  # stopping: answer everything still queued
             inbox, self._inbox = self._inbox, collections.deque()
@@ -341,9 +311,13 @@ class InferenceEngine:
             return
         order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
         k = 0
-        while k < len(order) and len(self._free) >= order[k].params.n:
+        while k < len(order) and self._slots.available() >= order[k].params.n:
             req = order[k]
-            req.seqs = [_Seq(req, i, heapq.heappop(self._free)) for i in range(req.params.n)]
+            hit = self._slots.take(req.prompt, self.version)  # choice 0 continues a retained sequence
+            if hit is not None:
+                self._st["prefix_reused_tokens_total"] += hit[1]
+            first = _Seq(req, 0, *hit) if hit is not None else _Seq(req, 0, self._slots.alloc())
+            req.seqs = [first] + [_Seq(req, i, self._slots.alloc()) for i in range(1, req.params.n)]
             self._running.extend(req.seqs)
             k += 1
         if k:
@@ -388,8 +362,8 @@ class InferenceEngine:
 
     def _release(self, s: _Seq, reason: str, event: TokenEvent | None = None) -> None:
         s.done = True
-        heapq.heappush(self._free, s.slot)
-        self.runner.reset_slot(s.slot)
+        current = s.kv_version == self.version  # KV of older weights (kept across a `keep` update) is not retained
+        self._slots.release(s.slot, s.tokens[: s.num_cached], s.kv_version if current else None)
         self._emit(s.req, event or TokenEvent(s.index, -1, 0.0, self.version, None, reason))
         s.req.unfinished -= 1
         if s.req.unfinished == 0:
@@ -418,11 +392,14 @@ class InferenceEngine:
             chunks.append((s.slot, s.num_cached, s.tokens[-1:]))
             want.append(True)
             seqs.append(s)
+            self._st["prefill_tokens_total"] += s.n_gen == 0  # a reused prefix's last prompt token
         budget -= len(seqs)
         for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
             pending = len(s.tokens) - s.num_cached
             if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
                 c = min(pending, budget)
+                if s.num_cached == 0:
+                    s.kv_version = self.version
                 chunks.append((s.slot, s.num_cached, s.tokens[s.num_cached : s.num_cached + c]))
                 want.append(c == pending)
                 seqs.append(s)
@@ -445,7 +422,7 @@ class InferenceEngine:
                 for c in s.req.seqs[1:]:
                     if not c.done:
                         self.runner.copy_slot(s.slot, c.slot, s.num_cached)
-                        c.num_cached, c.active = s.num_cached, True
+                        c.num_cached, c.kv_version, c.active = s.num_cached, s.kv_version, True
                         rows.append(r)
                         sampled.append(c)
             rows.append(r)

@@ -1,7 +1,9 @@
 """Generic fallback: any AutoModelForCausalLM through its own forward, one HF cache per sequence.
 
 Correct for every architecture transformers supports (sliding windows, hybrid caches, ...), but it runs one
-forward per sequence per step, so it is slower than the fast llama path at large batch.
+forward per sequence per step, so it is slower than the fast llama path at large batch. Prefix reuse keeps a
+finished sequence's cache under its slot; as a cache cannot be cut back in general (sliding-window layers), a
+request reuses one only whole (prefix_cache.py, `exact_only`).
 """
 
 from __future__ import annotations

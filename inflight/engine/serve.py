@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=512, help="context length (prompt + completion)")
     p.add_argument("--max-tokens-per-step", type=int, default=4096, help="token budget of one engine step")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep finished sequences' KV in free slots; a prompt that continues one (a multi-turn "
+                        "episode's next turn) prefills only the rest (engine/prefix_cache.py)")
     p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env INFLIGHT_API_KEY)")
     p.add_argument("--allow-remote-admin", action="store_true",
@@ -77,7 +80,8 @@ def build_app(args: argparse.Namespace):
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
-                             threads=args.threads, generator_precision=args.generator_precision)
+                             threads=args.threads, generator_precision=args.generator_precision,
+                             prefix_reuse=getattr(args, "prefix_reuse", True))
     app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,

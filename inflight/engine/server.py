@@ -416,6 +416,10 @@ def prometheus_text(stats: dict[str, Any], updates: int, rejected: int = 0) -> s
         ("inflight_engine_steps_total", "counter", "engine steps", stats.get("steps", 0)),
         ("inflight_prefill_tokens_total", "counter", "prompt tokens run through the model (prefill, re-prefill)",
          stats.get("prefill_tokens_total", 0)),
+        ("inflight_prefix_reused_tokens_total", "counter", "prompt tokens whose KV was reused from a finished "
+         "sequence (not prefilled)", stats.get("prefix_reused_tokens_total", 0)),
+        ("inflight_retained_sequences", "gauge", "finished sequences whose KV is kept for prefix reuse",
+         stats.get("retained", 0)),
         ("inflight_weight_updates_total", "counter", "weight updates applied", updates),
         ("inflight_rejected_requests_total", "counter", "requests refused with 429 (queue limit)", rejected),
     ]

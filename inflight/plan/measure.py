@@ -106,6 +106,7 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
 
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(0)
 
     async def model_name(session: aiohttp.ClientSession) -> str:
         async with session.get(f"{base}/v1/models") as r:
@@ -117,7 +118,9 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
             name = model or await model_name(s)
 
             async def one(i: int) -> None:
-                ids = [5 + (i * 7 + j) % 90 for j in range(prompt)]  # token ids: exact lengths, in any vocabulary
+                # token ids (exact lengths, in any vocabulary), new ones every request: a server's prefix cache
+                # (the built-in engine's prefix reuse, vLLM's prefix caching) must not skip the prefill
+                ids = [5 + rng.randrange(90) for _ in range(prompt)]
                 body: dict[str, Any] = {"model": name, "prompt": ids, "max_tokens": new, "ignore_eos": True,
                                         "temperature": 1.0}
                 async with s.post(f"{base}/v1/completions", json=body) as r:

@@ -93,9 +93,21 @@ def episode(server, env, ecfg=None, client_cls=RolloutClient, **kw):
     return asyncio.run(main())
 
 
+def counters(url: str) -> tuple[float, float]:
+    import re
+
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return tuple(float(re.search(rf"^{n} (\S+)$", text, re.M).group(1))  # type: ignore[return-value]
+                 for n in ("inflight_prefill_tokens_total", "inflight_prefix_reused_tokens_total"))
+
+
 def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir, weights_file):
-    set_version([server.url], weights_file, 0)
+    set_version([server.url], weights_file, 0)  # an update: the server retains no KV from earlier tests
+    before = counters(server.url)
     s, client = episode(server, Scripted(), client_cls=Recording)
+    prefilled, reused = (a - b for a, b in zip(counters(server.url), before))
     c1, c2, c3 = client.seen
     assert s.meta["turns"] == 3 and s.label == "correct" and s.reward == 1.25 and s.meta["turn_rewards"] == [0.25, 1.0]
     assert s.meta["tool_calls"] == 1.0 and s.meta["text"] == c3.text
@@ -113,6 +125,9 @@ def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir
     assert s.logprobs == c1.logprobs + [0.0] * len(d1) + c2.logprobs + [0.0] * len(d2) + c3.logprobs
     assert tok.decode(d1).endswith("<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
     assert s.meta["env_tokens"] == len(d1) + len(d2)
+    # prefix reuse: a later turn prefills only the previous turn's last sampled token (never run) and the env's delta
+    assert prefilled == len(c1.prompt_ids) + (1 + len(d1)) + (1 + len(d2))
+    assert reused == len(c2.prompt_ids) - 1 - len(d1) + len(c3.prompt_ids) - 1 - len(d2)
     # every model token's behaviour logprob is the float64 model's, in the context of the whole episode
     assert_model_logprobs_float64(tiny_model_dir, s)
     # the trainer's batch trains exactly the sampled tokens with their logprobs; env tokens are context only

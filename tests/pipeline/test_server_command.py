@@ -14,7 +14,8 @@ from inflight.engine import serve
 from inflight.engine.serve import strip_engine_flag
 from inflight.pipeline.launch_common import check_config, server_command
 
-BUILTIN_ONLY = {"--max-batch", "--max-tokens-per-step", "--threads", "--device", "--generator-precision"}
+BUILTIN_ONLY = {"--max-batch", "--max-tokens-per-step", "--threads", "--device", "--generator-precision",
+                "--no-prefix-reuse"}
 
 
 def cfg_of(*overrides: str):
@@ -30,7 +31,9 @@ def test_builtin_line_parses_with_serve():
     serve.add_arguments(p)
     args = p.parse_args(argv[4:])
     assert (args.engine, args.port, args.max_batch, args.max_tokens_per_step, args.threads, args.device,
-            args.max_waiting) == ("builtin", 9000, 7, 99, 3, "cuda", 5)
+            args.max_waiting, args.prefix_reuse) == ("builtin", 9000, 7, 99, 3, "cuda", 5, True)
+    off = p.parse_args(server_command(cfg_of("server.prefix_reuse=false"), 0)[4:])
+    assert off.prefix_reuse is False
 
 
 def test_vllm_line_maps_the_builtin_flags():

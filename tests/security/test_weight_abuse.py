@@ -22,7 +22,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerProcess(str(tiny_model_dir), extra_args=["--api-key", KEY, "--max-model-len", "128"], env=ENV) as p:
+    # --no-prefix-reuse: the fingerprint repeats one request and must be bit-reproducible; with prefix reuse the
+    # repeat would run only its last prompt token (the same values up to float32 rounding)
+    args = ["--api-key", KEY, "--max-model-len", "128", "--no-prefix-reuse"]
+    with ServerProcess(str(tiny_model_dir), extra_args=args, env=ENV) as p:
         yield p
 
 
