@@ -50,7 +50,7 @@ from inflight.contracts import tied_aliases
 from inflight.engine import llama_runner, precision
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.prefix_cache import Slots
-from inflight.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, sample
+from inflight.engine.sampling import SamplingParams, sample
 from inflight.engine.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
 from inflight.engine.step import StepPlan
 from inflight.modelkit.stops import stop_token_ids
