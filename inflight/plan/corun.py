@@ -2,8 +2,9 @@
 
 contention.py's processor sharing only slows roles down when they want more threads than there are cores. Two
 compute-bound roles on two separate cores still slow each other: they share the last-level cache and the memory
-bandwidth (on the 2-core CPU here the trainer ran 1.4-1.5x slower beside a decoding server than alone; issue 26).
-That factor depends on the machine and the models, so it is measured, not guessed:
+bandwidth (on the 2-core CPU here, six measurements: the trainer 1.00-1.23x slower beside a decoding server, the
+server 1.08-1.35x slower beside the trainer; issue 26). That factor depends on the machine and the models, so it is
+measured, not guessed:
 
 - trainer: forward + backward + optimizer seconds of the same packed batch, alone and while a real `inflight serve`
   decodes a full batch (HTTP requests with ignore_eos kept in flight by a load thread);
@@ -36,7 +37,8 @@ class _Toggled(threading.Thread):
                 continue
             self.idle.clear()
             try:
-                self.work()
+                if self.on.is_set():  # again, now that `idle` is clear: set(False) may have returned in between
+                    self.work()
             finally:
                 self.idle.set()
 
