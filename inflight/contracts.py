@@ -61,6 +61,9 @@ class ShmSegment(_Strict):
 
     path: str = Field(min_length=1)
     bytes: int = Field(gt=0, le=2**44)
+    # the trainer leaves these bytes as they are until the server has answered its next update: the server may
+    # compute straight from the segment instead of copying it (docs/inference-contract.md, "Lent segments")
+    lend: bool = False
 
 
 class AdapterSpec(_Strict):

@@ -1,6 +1,7 @@
 """The shared-memory weight transport (same host): the trainer writes an update once into a segment on a memory file
 system (/dev/shm), and every server on the host copies it into its model from there — the CPU counterpart of CUDA
-IPC. Two copies in all (trainer -> segment, segment -> model), no socket, no serialisation, nothing unpickled.
+IPC. Two copies in all (trainer -> segment, segment -> model; one when the segment is lent, see below), no socket,
+no serialisation, nothing unpickled.
 
 A segment is a file: a SHM_HEADER_BYTES header, then the tensors of the announcement at the offsets of
 `contracts.shm_layout` (C order, the announced dtypes). The header says what the bytes are (format 2):
@@ -24,6 +25,11 @@ The trainer reuses one segment while the announcement stays the same (its pages 
 faults after the first push), writes it only when no server is reading it (the previous update was answered by
 all), invalidates the magic before writing a new header, and after any failed update starts a new segment (a server
 that may still be reading keeps its mapping of the old file, which nobody writes again).
+
+Lent segments (`ShmWriter(lend=True)`, the announcement's `lend`): the trainer writes two segments in turn and
+promises to leave each one as it is until every server has answered the next update, so a server may compute
+straight from the segment of its last update instead of copying it: one copy per push instead of two. A server's
+mappings are torch storages made read-only, so a weight the engine computes from keeps its segment mapped.
 
 Only the standard library and torch are imported here: vLLM's workers use it in vLLM's environment.
 """
@@ -223,60 +229,131 @@ def wait_complete(path: str, version: int, data_bytes: int, digest: bytes, stall
 
 
 class ShmMapping:
-    """A server's read-only mapping of segments, kept while the trainer reuses the same file (same inode)."""
+    """A server's read-only mappings of segments, kept while the trainer reuses the same files (same inodes): the
+    last `keep` of them, so a trainer that lends two segments in turn (`ShmWriter(lend=True)`) is mapped once.
+    A mapping is owned by the tensors made from it (a torch storage): a view the engine computes from keeps its
+    segment mapped after this object let go of it."""
 
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._mm: mmap.mmap | None = None
-        self._all: torch.Tensor | None = None  # the whole segment as bytes
-        self._data: torch.Tensor | None = None
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._maps: dict[tuple, torch.Tensor] = {}  # (path, inode, device, size) -> the whole file as bytes
+        self._last: tuple | None = None
 
     def tensors(self, path: str, entries: Iterable[tuple[str, list[int], str, int]]) -> dict[str, torch.Tensor]:
-        """{name: view} for entries (name, shape, dtype name, data offset); views stay valid until the next call
-        with another segment. The caller has checked the segment (check_segment)."""
+        """{name: view} for entries (name, shape, dtype name, data offset). The caller has checked the segment
+        (check_segment)."""
         st = os.stat(path)
         key = (path, st.st_ino, st.st_dev, st.st_size)
-        if key != self._key:
-            self.close()
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                self._mm = _map(fd, st.st_size, writable=False)
-            finally:
-                os.close(fd)  # the mapping keeps the file
-            self._all = _bytes_view(self._mm)
-            self._data = self._all[SHM_HEADER_BYTES:]
-            self._key = key
-        data = self._data
+        if key not in self._maps:
+            self._maps = {k: v for k, v in self._maps.items() if k[0] != path}  # a file replaced under that name
+            while len(self._maps) >= self.keep:
+                self._maps.pop(next(iter(self._maps)))
+            self._maps[key] = _map_owned(path, st.st_size)
+        else:
+            self._maps[key] = self._maps.pop(key)  # most recently used last
+        self._last = key
+        data = self._maps[key][SHM_HEADER_BYTES:]
         return {name: tensor_at(data, off, shape, TORCH_DTYPES[dt]) for name, shape, dt, off in entries}
 
     def watch(self, version: int, data_bytes: int, digest: bytes, stall_s: float | None = None) -> SegmentWatch:
         """The progress of the segment mapped by the last tensors() call (whose views `ready` accepts)."""
-        assert self._all is not None and self._key is not None
-        return SegmentWatch(self._all[:SHM_HEADER_BYTES], self._key[0], version, data_bytes, digest, stall_s)
+        assert self._last is not None and self._last in self._maps
+        return SegmentWatch(self._maps[self._last][:SHM_HEADER_BYTES], self._last[0], version, data_bytes, digest,
+                            stall_s)
 
     def close(self) -> None:
-        self._key, self._data, self._all = None, None, None
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
-                pass
+        self._maps, self._last = {}, None
+
+
+def _map_owned(path: str, size: int) -> torch.Tensor:
+    """The file mapped shared into a torch storage (unmapped when its last tensor goes), then made read-only (a
+    write into it is a crash here, never a change to the trainer's bytes) and faulted in at once where the kernel
+    can (MADV_POPULATE_READ: one call instead of a fault per 4 KiB page when the engine first reads it)."""
+    try:
+        storage = torch.UntypedStorage.from_file(path, True, size)
+    except RuntimeError as e:
+        raise ShmError(f"cannot map shm segment {path!r}: {e}") from None
+    t = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if _LIBC is not None and size:
+        if _LIBC.mprotect(t.data_ptr(), size, mmap.PROT_READ) != 0:
+            raise ShmError(f"cannot make the mapping of {path!r} read-only (errno {ctypes.get_errno()})")
+        _LIBC.madvise(t.data_ptr(), size, _MADV_POPULATE_READ)  # best effort: older kernels answer EINVAL
+    return t
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)
+        for fn in (lib.mprotect, lib.madvise):
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+_MADV_POPULATE_READ = 22
+
+
+class _Segment:
+    """One file of the trainer's: its mapping and the header fields stored while the data is written."""
+
+    def __init__(self, directory: str, size: int):
+        path = os.path.join(directory, f"inflight-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:  # reserve the pages now: writing past the free space of a tmpfs kills the process with SIGBUS
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                free = os.statvfs(directory)
+                raise ShmError(
+                    f"cannot reserve {size / 2**20:.0f} MiB in {directory} ({e.strerror}; "
+                    f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): give the container more shared memory "
+                    "(docker --shm-size) or point trainer.shm_dir at a larger memory file system") from None
+            self.mm = _map(fd, size, writable=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.path, self.size = path, size
+        everything = _bytes_view(self.mm)
+        self.data = everything[SHM_HEADER_BYTES:]
+        self.state = ctypes.c_uint32.from_address(everything.data_ptr() + _STATE_AT)  # stored one at a time
+        self.written = ctypes.c_uint64.from_address(everything.data_ptr() + _WRITTEN_AT)
+        # a writer dropped without discard(), or an interpreter that exits, still removes the file (it is memory);
+        # only a killed process leaves one behind (its pid is in the name)
+        self._finalizer = weakref.finalize(self, _unlink, path)
+
+    def discard(self) -> None:
+        """Remove the file (a server still mapping it keeps its pages until it lets go)."""
+        self.data, self.state, self.written = None, None, None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        self._finalizer()  # unlinks now, once
 
 
 class ShmWriter:
-    """The trainer's segment: created on first use in `directory`, reused while the layout stays the same."""
+    """The trainer's segment: created on first use in `directory`, reused while the layout stays the same.
 
-    def __init__(self, directory: str = "/dev/shm"):
-        self.directory = directory
-        self.path: str | None = None
-        self._size = 0
-        self._finalizer: weakref.finalize | None = None
-        self._mm: mmap.mmap | None = None
-        self._data: torch.Tensor | None = None
-        self._state: ctypes.c_uint32 | None = None  # the header's state and written fields, stored one at a time
-        self._written: ctypes.c_uint64 | None = None
+    With `lend`, two segments are written in turn and every announcement lends its segment to the servers: they may
+    compute straight from it (one copy per push instead of two) until they have answered the next update, which
+    the other segment carries. The rule that makes this safe is the transport's own: a segment is written only
+    once every server has answered the update before (the one that made them leave it), and after any failed
+    update, or an announcement of other tensors, both files are dropped and never written again."""
+
+    def __init__(self, directory: str = "/dev/shm", lend: bool = False):
+        self.directory, self.lend = directory, lend
+        self._segments: list[_Segment] = []  # at most two with `lend`, else one
+        self._cur: _Segment | None = None
+        self._digest: bytes | None = None  # of the last announcement (lending: another one drops both files)
         self._data_bytes = 0
+
+    @property
+    def path(self) -> str | None:
+        return self._cur.path if self._cur is not None else None
 
     def write(self, tensors: list[tuple[str, torch.Tensor]], dtypes: list[str], offsets: list[int],
               data_bytes: int, version: int, digest: bytes) -> dict[str, Any]:
@@ -295,89 +372,62 @@ class ShmWriter:
         """Start an update: the header says WRITING this version with nothing written; returns the `shm` field of
         the announcement, which may be posted now (servers follow the progress) when progress_is_ordered()."""
         size = SHM_HEADER_BYTES + data_bytes
-        if self._mm is None or size != self._size:
+        if any(s.size != size for s in self._segments) or (self.lend and digest != self._digest):
             self.discard()
-            self._create(size)
-        assert self._mm is not None
-        self._mm[:8] = bytes(8)  # the magic goes first and comes back last: no reader takes a half-written header
-        self._mm[8:_HEADER.size] = pack_header(version, data_bytes, digest, WRITING)[8:]
-        self._mm[:8] = SHM_MAGIC
-        self._data_bytes = data_bytes
-        return {"path": self.path, "bytes": size}
+        if self.lend and len(self._segments) == 2:  # the one the servers left at the last update
+            seg = self._segments[1] if self._cur is self._segments[0] else self._segments[0]
+        elif self._segments and not self.lend:
+            seg = self._segments[0]
+        else:
+            seg = _Segment(self.directory, size)
+            self._segments.append(seg)
+        self._cur, self._digest, self._data_bytes = seg, digest, data_bytes
+        seg.mm[:8] = bytes(8)  # the magic goes first and comes back last: no reader takes a half-written header
+        seg.mm[8:_HEADER.size] = pack_header(version, data_bytes, digest, WRITING)[8:]
+        seg.mm[:8] = SHM_MAGIC
+        return {"path": seg.path, "bytes": size, **({"lend": True} if self.lend else {})}
 
     def write_tensors(self, tensors: list[tuple[str, torch.Tensor]], dtypes: list[str], offsets: list[int]) -> None:
         """Copy every tensor (converted to its announced dtype) to its offset, in announced (ascending) order, a
         chunk of rows at a time, raising `written` after each chunk."""
-        assert self._data is not None and self._written is not None
+        seg = self._cur
+        assert seg is not None and seg.data is not None and seg.written is not None
+        data, written = seg.data, seg.written
         done = 0
         for (name, t), dt, off in zip(tensors, dtypes, offsets):
             if off < done:
                 raise ShmError(f"{name}: offsets must ascend (shm_layout order)")
-            dst = tensor_at(self._data, off, list(t.shape), TORCH_DTYPES[dt])
+            dst = tensor_at(data, off, list(t.shape), TORCH_DTYPES[dt])
             rows = t.shape[0] if t.dim() else 1
             step = max(1, CHUNK_BYTES // max(1, dst.numel() * dst.element_size() // max(1, rows)))
             if t.dim() == 0 or step >= rows:
                 dst.copy_(t)  # converts dtype / device
                 done = off + dst.numel() * dst.element_size()
-                self._written.value = done  # after the data: x86-64 makes it visible after it
+                written.value = done  # after the data: x86-64 makes it visible after it
                 continue
             for r0 in range(0, rows, step):
                 part = dst[r0: r0 + step]
                 part.copy_(t[r0: r0 + step])
-                done = part.data_ptr() - self._data.data_ptr() + part.numel() * part.element_size()
-                self._written.value = done
+                done = part.data_ptr() - data.data_ptr() + part.numel() * part.element_size()
+                written.value = done
 
     def finish(self) -> None:
         """The update is complete: `written` covers the data, then the state says COMPLETE."""
-        assert self._written is not None and self._state is not None
-        self._written.value = self._data_bytes
-        self._state.value = COMPLETE
+        seg = self._cur
+        assert seg is not None and seg.written is not None and seg.state is not None
+        seg.written.value = self._data_bytes
+        seg.state.value = COMPLETE
 
     def abandon(self) -> None:
-        """The update failed midway: servers following it give up at once (the caller then discards the file)."""
-        if self._state is not None:
-            self._state.value = ABANDONED
-
-    def _create(self, size: int) -> None:
-        path = os.path.join(self.directory, f"inflight-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:  # reserve the pages now: writing past the free space of a tmpfs kills the process with SIGBUS
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                free = os.statvfs(self.directory)
-                raise ShmError(
-                    f"cannot reserve {size / 2**20:.0f} MiB in {self.directory} ({e.strerror}; "
-                    f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): give the container more shared memory "
-                    "(docker --shm-size) or point trainer.shm_dir at a larger memory file system") from None
-            self._mm = _map(fd, size, writable=True)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)
-        self.path, self._size = path, size
-        everything = _bytes_view(self._mm)
-        self._data = everything[SHM_HEADER_BYTES:]
-        self._state = ctypes.c_uint32.from_address(everything.data_ptr() + _STATE_AT)
-        self._written = ctypes.c_uint64.from_address(everything.data_ptr() + _WRITTEN_AT)
-        # a writer dropped without discard(), or an interpreter that exits, still removes the file (it is memory);
-        # only a killed process leaves one behind (its pid is in the name)
-        self._finalizer = weakref.finalize(self, _unlink, path)
+        """The update failed midway: servers following it give up at once (the caller then discards the files)."""
+        if self._cur is not None and self._cur.state is not None:
+            self._cur.state.value = ABANDONED
 
     def discard(self) -> None:
-        """Remove the segment (a server still mapping it keeps its pages until it lets go)."""
-        self._data, self._state, self._written = None, None, None
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
-        if self._finalizer is not None:
-            self._finalizer()  # unlinks now, once
-            self._finalizer = None
-        self.path, self._size = None, 0
+        """Remove the segments (a server still mapping one keeps its pages until it lets go)."""
+        for seg in self._segments:
+            seg.discard()
+        self._segments, self._cur, self._digest = [], None, None
 
 
 def _unlink(path: str) -> None:

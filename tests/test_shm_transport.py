@@ -46,28 +46,57 @@ def shm(servers):
     c.close()
 
 
-def test_one_segment_reaches_every_server_and_is_reused(servers, hf, shm):
+def test_two_lent_segments_in_turn_reach_every_server(servers, hf, shm):
     new = perturbed(hf, seed=1)
     stats = shm.push(new.items(), version=1)
     assert stats["bytes"] == sum(t.numel() * 4 for t in new.values())
-    path = shm._shm.path
-    assert path.startswith("/dev/shm/") and os.path.getsize(path) >= SHM_HEADER_BYTES + stats["bytes"]
+    first = shm._shm.path
+    assert first.startswith("/dev/shm/") and os.path.getsize(first) >= SHM_HEADER_BYTES + stats["bytes"]
     for s in servers:
         after = chat(s.url, temperature=0.8)
         assert set(after["token_versions"]) == {1}
         check_matches(hf, new, after, 0.8)
     newer = perturbed(hf, seed=2)
     shm.push(newer.items(), version=2, mode="interrupt")
-    assert shm._shm.path == path  # same announcement: the same segment, written again
-    for s in servers:
+    second = shm._shm.path
+    assert second != first and os.path.exists(first)  # lent: the servers may compute from the first until now
+    refs = [fingerprint(s.url) for s in servers]
+    with open(first, "r+b") as f:  # what writing the next update there does: the servers left it at update 2
+        f.seek(SHM_HEADER_BYTES)
+        f.write(os.urandom(os.path.getsize(first) - SHM_HEADER_BYTES))
+    for s, ref in zip(servers, refs):
+        assert fingerprint(s.url) == ref
         check_matches(hf, newer, chat(s.url, temperature=1.0), 1.0)
-    partial = {n: t + 0.01 for n, t in list(newer.items())[::3]}  # another announcement: another segment
-    shm.push(partial.items(), version=3)
-    assert shm._shm.path != path and not os.path.exists(path)
+    with open(second, "r+b") as f:  # and the second is what they compute from (a trainer never does this)
+        f.seek(SHM_HEADER_BYTES)
+        f.write(bytes(os.path.getsize(second) - SHM_HEADER_BYTES))
+    assert all(fingerprint(s.url) != ref for s, ref in zip(servers, refs))
+    newest = perturbed(hf, seed=3)
+    shm.push(newest.items(), version=3)
+    assert shm._shm.path == first  # same announcement: the segments are written in turn
     for s in servers:
-        check_matches(hf, {**newer, **partial}, chat(s.url, temperature=1.0), 1.0)
+        check_matches(hf, newest, chat(s.url, temperature=1.0), 1.0)
+    partial = {n: t + 0.01 for n, t in list(newest.items())[::3]}  # another announcement: other segments
+    shm.push(partial.items(), version=4)
+    assert shm._shm.path not in (first, second) and not os.path.exists(first) and not os.path.exists(second)
+    for s in servers:
+        check_matches(hf, {**newest, **partial}, chat(s.url, temperature=1.0), 1.0)
     shm.close()
     assert not os.path.exists(shm._shm.path or "/nonexistent")
+
+
+def test_an_unlent_segment_is_reused(servers, hf):
+    c = WeightSyncClient([s.url for s in servers], transport="shm", timeout_s=60, shm_lend=False)
+    try:
+        c.push(perturbed(hf, seed=11).items(), version=11)
+        path = c._shm.path
+        newer = perturbed(hf, seed=12)
+        c.push(newer.items(), version=12)
+        assert c._shm.path == path  # copied by every server: the trainer may write it again at once
+        for s in servers:
+            check_matches(hf, newer, chat(s.url, temperature=1.0), 1.0)
+    finally:
+        c.close()
 
 
 def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm, tmp_path):

@@ -30,6 +30,9 @@ Staged updates (CPU, `double_buffer`): a full shared-memory update is copied by 
 the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, each
 part as soon as the trainer has written it to the segment (the two copies of a push overlap), and the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
 update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off.
+A segment the trainer lends (it leaves it unchanged until the next update is answered) is not copied at all: a block
+whose members lie back to back in it becomes a view of the segment, only read for the NaN/Inf check, and no spare
+is kept; `make_writable` gives a block storage of its own again before anything writes into it in place.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class LlamaRunner:
         # of memory; on a GPU the memory is dearer and updates are copied in the pause as before)
         self.double_buffer = self.device.type == "cpu" and os.environ.get("INFLIGHT_STAGE_UPDATES", "1") != "0"
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
+        self._lent: set[tuple[int, str]] = set()  # blocks computed straight from a segment the trainer lent
         if self.double_buffer:  # the loaded weights are a private mapping of the checkpoint file (safetensors):
             # the first write into a page copies it from the file (measured: the second staged update of a 538 MB
             # model, into that storage, took as long as the first into fresh memory); the fused ones are copies
@@ -216,11 +220,11 @@ class LlamaRunner:
                 for p, a, b in self.members[where]:
                     # a private copy: W0 tensors are never aliased
                     new[a:b].copy_(new_rows[id(p)][1] if id(p) in new_rows else cur[a:b])
-                prepared.append((where, new))
+                prepared.append((where, new, False))
         return prepared, rest
 
     def stage(self, tensors: dict[str, torch.Tensor], check_finite: bool = True,
-              ready=None) -> tuple[list, dict, list[str]]:
+              ready=None, lend: bool = False) -> tuple[list, dict, list[str]]:
         """Off the engine thread, a full update (`tensors`: HF names, the model's dtypes): as prepare_swap, but
         written into the storage the previous swap() let go (no fresh pages: faulting in 538 MB cost more than
         copying it), and checked for NaN/Inf as it is copied, in one pass (the C kernel for float32, else
@@ -228,12 +232,30 @@ class LlamaRunner:
         a tensor is there to be read (a shared-memory segment the trainer is still writing: SegmentWatch.ready);
         the tensors are then copied a few MB at a time, in the order the trainer writes them. Returns (prepared
         for swap(), the tensors left to load_weights, names of the staged tensors holding NaN/Inf: then nothing
-        may be swapped in). The engine never reads a spare: the weights it computes with do not change here."""
+        may be swapped in). The engine never reads a spare: the weights it computes with do not change here.
+        With `lend` (the trainer lends the segment until the next update: ShmWriter(lend=True)), a block whose
+        members lie back to back in the segment, in its order and dtype, is not copied: the forward will compute
+        straight from the segment, only read here for the NaN/Inf check."""
         touched, rest = self._blocks(tensors)
         prepared, bad, sums, summed = [], [], [], []
         with torch.no_grad():
             for where, new_rows in touched.items():
                 cur = self._storage(where)
+                span = self._lent_span(where, new_rows, cur) if lend else None
+                if span is not None:
+                    for p, a, b in self.members[where]:
+                        name, whole = new_rows[id(p)]
+                        for t in self._chunks(whole, ready):
+                            if not check_finite:
+                                continue
+                            if self._copier is not None and t.dtype == torch.float32 and t.is_contiguous():
+                                if not self._copier.all_finite(t) and name not in bad:
+                                    bad.append(name)
+                            else:
+                                sums.append(t.sum(dtype=torch.float32))
+                                summed.append((name, t))
+                    prepared.append((where, span, True))
+                    continue
                 spare = self._spares.get(where)
                 if (spare is None or spare.shape != cur.shape or spare.dtype != cur.dtype
                         or spare.data_ptr() == cur.data_ptr()):
@@ -243,13 +265,9 @@ class LlamaRunner:
                         spare[a:b].copy_(cur[a:b])  # a partial update: the member keeps its current value
                         continue
                     name, whole = new_rows[id(p)]
-                    rows = whole.shape[0]
-                    step = max(1, rows if ready is None else STAGE_CHUNK_BYTES // max(
-                        1, whole[:1].numel() * whole.element_size()))
-                    for r in range(0, max(1, rows), step):
-                        t, dst = whole[r: r + step], spare[a + r: min(b, a + r + step)]
-                        if ready is not None:
-                            ready(t)
+                    r = 0
+                    for t in self._chunks(whole, ready):
+                        dst, r = spare[a + r: a + r + t.shape[0]], r + t.shape[0]
                         if not check_finite:
                             dst.copy_(t)
                         elif (self._copier is not None and t.dtype == dst.dtype == torch.float32
@@ -259,25 +277,69 @@ class LlamaRunner:
                         else:
                             finite.copy_summed(dst, t, sums)
                             summed.append((name, dst))
-                prepared.append((where, spare))
+                prepared.append((where, spare, False))
         if not finite.finite_sums(sums):  # or huge finite values overflowed the sum: look at each chunk
             bad += [n for n in dict.fromkeys(n for n, v in summed if not bool(torch.isfinite(v).all())) if n not in bad]
         return prepared, rest, bad
+
+    @staticmethod
+    def _chunks(whole: torch.Tensor, ready):
+        """`whole` in chunks of rows, each once `ready` says the trainer has written it (all at once without)."""
+        rows = whole.shape[0]
+        step = max(1, rows if ready is None else STAGE_CHUNK_BYTES // max(1, whole[:1].numel() * whole.element_size()))
+        for r in range(0, max(1, rows), step):
+            t = whole[r: r + step]
+            if ready is not None:
+                ready(t)
+            yield t
+
+    def _lent_span(self, where: tuple[int, str], new_rows: dict, cur: torch.Tensor) -> torch.Tensor | None:
+        """The block as one view of a lent segment, if all its members are there back to back in its order, dtype
+        and device (the trainer's layout of q|k|v and gate|up, unless padding or another order separates them)."""
+        members = self.members[where]
+        if not self.double_buffer or any(id(p) not in new_rows for p, _, _ in members):
+            return None
+        views = [new_rows[id(p)][1] for p, _, _ in members]
+        end = None
+        for t in views:
+            if t.dtype != cur.dtype or t.device != cur.device or not t.is_contiguous():
+                return None
+            if end is not None and t.data_ptr() != end:
+                return None
+            end = t.data_ptr() + t.numel() * t.element_size()
+        shape = tuple(cur.shape)
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # C order
+        return views[0].as_strided(shape, strides, views[0].storage_offset())
+
+    def make_writable(self, names) -> None:
+        """Inside the pause, before the HF parameters `names` are written in place (load_weights): a block computed
+        from a lent segment is copied into storage of its own first (the segment is read-only and not ours)."""
+        params = dict(self.model.named_parameters())
+        wanted = {id(params[n]) for n in names if n in params}
+        for where in [w for w in self._lent if any(id(p) in wanted for p, _, _ in self.members[w])]:
+            cur = self._storage(where)
+            self.swap([(where, cur.clone(memory_format=torch.contiguous_format), False)])
 
     def swap(self, prepared: list) -> None:
         """Inside the pause: point the forward and the HF parameters at the prepared storage (no copy); the caller
         then runs after_weight_update (load_weights does) so the generator's weights follow. With double_buffer
         the storage let go is kept as the block's spare: nothing reads it any more (the generator is rebuilt, a
         background re-pack of it is dropped as stale), so stage() may write it."""
-        for where, new in prepared:
+        for where, new, lent in prepared:
             old = self._storage(where)
             li, key = where
             if li >= 0:
                 self.layers[li][key] = new
             for p, a, b in self.members[where]:
                 p.data = new[a:b]  # still one storage per fused matrix: in-place updates keep reaching the forward
-            if self.double_buffer:
-                self._spares[where] = old
+            was_lent = where in self._lent
+            if lent:
+                self._lent.add(where)
+                self._spares.pop(where, None)  # the trainer keeps lending: no copy of ours to write
+            else:
+                self._lent.discard(where)
+                if self.double_buffer and not was_lent:  # a lent segment is never anybody's spare
+                    self._spares[where] = old
 
     def install_packed(self) -> bool:
         """At a step boundary: swap in the packed weights of the current master, if the background has them."""

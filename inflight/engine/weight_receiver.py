@@ -14,7 +14,8 @@ A shared-memory update is copied once by the server: its header is checked at on
 announcement's digest) and the segment is mapped. The trainer may still be writing it (shm_weights.py, format 2):
 on the built-in llama path on CPU (`runner.double_buffer`) each tensor is copied into the runner's spare storage as
 soon as the trainer has written it, while the engine keeps generating, checked for NaN/Inf in the same pass
-(`LlamaRunner.stage`), so the two copies of a push overlap; the pause only re-points the model at that storage
+(`LlamaRunner.stage`), so the two copies of a push overlap (a segment the trainer lends is not copied: the model
+computes from it, read once for the check); the pause only re-points the model at that storage
 (measured on SmolLM2's 538 MB: the copy in the pause, and the wait for the step boundary before it, were most of a
 push; docs/benchmarks.md). Elsewhere the server waits for the complete segment, checks it for NaN/Inf in place and
 the pause copies the tensors from it into the model. Nothing is applied before the segment is complete with the
@@ -234,7 +235,7 @@ class WeightReceiver:
                     # copied (and checked) into the runner's spare storage while the engine generates, each
                     # tensor once the trainer has written it: the pause only re-points the model at it
                     prepared, unstaged, bad = await self._follow(req, runner.stage, tensors, self.reject_nonfinite,
-                                                                 watch.ready)
+                                                                 watch.ready, req.shm.lend)
                     if bad:
                         refuse_nonfinite(bad)
                 await self._follow(req, watch.wait_complete)  # the rest is read only from a complete segment
@@ -272,11 +273,13 @@ class WeightReceiver:
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
                             "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0,
-                            "staged": 0 if adapter else len(prepared)}
+                            "staged": 0 if adapter else len(prepared),
+                            "lent": sum(1 for p in prepared if p[2]) if not adapter else 0}
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
+        lent = self.last_update["lent"]
         what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
-                f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged + {len(load)} copied"
-                if prepared else "full")
+                f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged ({lent} read in place "
+                f"from the lent segment) + {len(load)} copied" if prepared else "full")
         log.info("weight update v%d: %s, %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (received in "
                  "%.3fs, waited %.3fs for a step boundary)", req.version, transport, what, ntensors, nbytes / 1e6,
                  req.mode, pause_s, total_s, read_s, started[0] - asked)

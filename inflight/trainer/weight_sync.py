@@ -98,7 +98,8 @@ class WeightSyncClient:
     def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, backend: str = "gloo", transport: str = "process_group",
                  timeout_s: float = 600.0, dtype: str | None = None, shm_dir: str = "/dev/shm",
-                 precheck: bool = True, bucket_bytes: int = 0, device: str | torch.device | None = None):
+                 precheck: bool = True, bucket_bytes: int = 0, device: str | torch.device | None = None,
+                 shm_lend: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         if backend not in ("gloo", "nccl"):
@@ -113,7 +114,7 @@ class WeightSyncClient:
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
         self.device = cuda_device(device)
-        self._shm = ShmWriter(self.shm_dir) if transport == "shm" else None
+        self._shm = ShmWriter(self.shm_dir, lend=shm_lend) if transport == "shm" else None
         self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
         self.last_write_s = 0.0  # seconds the last shm push took to write its segment
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push

@@ -24,7 +24,7 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
     if protocol == "inflight":
         from inflight.trainer.weight_sync import WeightSyncClient
 
-        return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir,
+        return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir, shm_lend=t.shm_lend,
                                 bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)
     if getattr(t, "lora", None) is not None:
         check_stock_lora(cfg)
