@@ -130,7 +130,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes.split(","):
+        for size in [s for s in args.sizes.split(",") if s]:  # --sizes "": the mismatch only
             path, n_params = build(Path(tmp) / size, size)
             for prec in PRECISIONS:
                 rates, pause = throughput(path, prec, batches, args.new_tokens, SIZES[size][-1])

@@ -8,6 +8,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     base_port: int = 8100  # server k listens on base_port + k
     dtype: str = "float32"  # float32 | bfloat16
+    # int8 quantizes activations with one scale per batch: far off on real checkpoints (SmolLM2-135M: KL 0.72 per
+    # token against float32), so check a model with bench/precision.py first
     generator_precision: str = "float32"  # float32 | bfloat16 | bfloat16-fp32-head | int8 (built-in engine)
     max_batch: int = 128  # sequences decoded together
     max_model_len: int = 512

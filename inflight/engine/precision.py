@@ -23,6 +23,7 @@ Precisions (`generator_precision`):
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Union
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
 PRECISIONS = ("float32", "bfloat16", "bfloat16-fp32-head", "int8")
 
 
@@ -40,6 +42,10 @@ def check_precision(precision: str, device: torch.device | str = "cpu") -> None:
         raise ValueError(f"generator_precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if precision == "int8" and torch.device(device).type != "cpu":
         raise ValueError("generator_precision int8 runs on CPU only (fbgemm); use bfloat16 on a GPU")
+    if precision == "int8":
+        log.warning("generator_precision int8 quantizes activations with one scale per batch: on real checkpoints "
+                    "the sampling policy can be far from float32's (SmolLM2-135M: KL 0.72 per token); measure your "
+                    "model with bench/precision.py --mismatch-model PATH first")
 
 
 def compute_dtype(precision: str, master: torch.dtype) -> torch.dtype:
