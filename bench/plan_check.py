@@ -56,7 +56,8 @@ def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, co
                           prompt_tokens=round(real["prompt_tokens"]), trained_frac=real["trained_frac"])
     r = simulate_shared(profile, sim, cores) if cores else simulate(profile, sim)
     return {"samples_per_s": r.steady_samples_per_s(skip), "lag": r.lag_hist, "step_s": r.seconds_per_step,
-            "trainer_busy": r.trainer_busy, "trainer_step_s": r.trainer_busy * r.seconds_per_step, "server_busy": sum(r.server_busy) / len(r.server_busy),
+            "trainer_busy": r.trainer_busy, "trainer_step_s": r.trainer_busy * r.seconds_per_step,
+            "server_busy": sum(r.server_busy) / len(r.server_busy),
             "slowdown": r.extra.get("slowdown")}
 
 

@@ -118,6 +118,10 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     step1, step16 = p.engine.decode.step_s[0]
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
+    # the shape the trainer was timed on (defaults: 8-token prompts, 12-token completions, the config's groups of 8)
+    t = p.trainer
+    assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (8, 12, 8)
+    assert t.forward_tokens_per_s_at(1) == pytest.approx(t.tokens_per_s * (8 + 8 * 12) / (8 * 20))
     assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
     for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
         assert 0 < reply < 0.5
