@@ -56,7 +56,8 @@ def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, co
                           prompt_tokens=round(real["prompt_tokens"]), trained_frac=real["trained_frac"])
     r = simulate_shared(profile, sim, cores) if cores else simulate(profile, sim)
     return {"samples_per_s": r.steady_samples_per_s(skip), "lag": r.lag_hist, "step_s": r.seconds_per_step,
-            "trainer_busy": r.trainer_busy, "server_busy": sum(r.server_busy) / len(r.server_busy),
+            "trainer_busy": r.trainer_busy, "trainer_step_s": r.trainer_busy * r.seconds_per_step,
+            "server_busy": sum(r.server_busy) / len(r.server_busy),
             "slowdown": r.extra.get("slowdown")}
 
 
@@ -87,12 +88,15 @@ def with_reply(profile, c: float, server_share: float):
 def table(title: str, rows: list) -> None:
     print(f"\n{title}\n")
     print("| case | measured samples/s | predicted | pred/meas | measured s/step | trainer busy meas / pred | "
-          "lag measured | lag predicted | TV distance |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "trainer s/step meas / pred | lag measured | lag predicted | TV distance |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, real, pred in rows:
+        # the trainer's seconds per step (busy share x step time): its own error, apart from the wall time's
+        t_real = real["trainer_busy"] * real["step_s"]
         print(f"| {name} | {real['samples_per_s']:.0f} | {pred['samples_per_s']:.0f} | "
               f"{pred['samples_per_s'] / real['samples_per_s']:.2f} | {real['step_s'] * 1e3:.0f} ms | "
-              f"{real['trainer_busy']:.0%} / {pred['trainer_busy']:.0%} | {share(real['lag'])} | "
+              f"{real['trainer_busy']:.0%} / {pred['trainer_busy']:.0%} | "
+              f"{t_real * 1e3:.0f} / {pred['trainer_step_s'] * 1e3:.0f} ms | {share(real['lag'])} | "
               f"{share(pred['lag'])} | {tv(real['lag'], pred['lag']):.3f} |")
 
 
@@ -101,15 +105,16 @@ def summary(repeats: int, pairs: dict[str, list[tuple[dict, dict]]]) -> None:
     TV distance median (max)."""
     med = statistics.median
     print(f"\nOver {repeats} runs per case (each predicted from its own workload): medians (min-max)\n")
-    print("| case | measured samples/s | predicted | pred/meas | lag TV distance |")
-    print("|---|---|---|---|---|")
+    print("| case | measured samples/s | predicted | pred/meas | lag TV distance | trainer s/step pred/meas |")
+    print("|---|---|---|---|---|---|")
     for name, ps in pairs.items():
         meas = [r["samples_per_s"] for r, _ in ps]
         ratio = [p["samples_per_s"] / r["samples_per_s"] for r, p in ps]
         dist = [tv(r["lag"], p["lag"]) for r, p in ps]
+        train = [p["trainer_step_s"] / (r["trainer_busy"] * r["step_s"]) for r, p in ps]
         print(f"| {name} | {med(meas):.0f} ({min(meas):.0f}-{max(meas):.0f}) | "
               f"{med(p['samples_per_s'] for _, p in ps):.0f} | {med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
-              f"{med(dist):.3f} ({max(dist):.3f}) |")
+              f"{med(dist):.3f} ({max(dist):.3f}) | {med(train):.2f} ({min(train):.2f}-{max(train):.2f}) |")
 
 
 def tv(p: dict[int, int], q: dict[int, int]) -> float:

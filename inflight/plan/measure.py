@@ -190,7 +190,8 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
     back, opt = zip(*(step() for _ in range(steps)), strict=True)
     b, o = sorted(back)[len(back) // 2], sorted(opt)[len(opt) // 2]
     devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
-    return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o)
+    return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o,
+                          prompt_tokens=prompt, completion_tokens=completion, group_size=group_size)
 
 
 # ---- the push ----------------------------------------------------------------------------------------------------

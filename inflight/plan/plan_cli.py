@@ -4,8 +4,8 @@ inference servers and the trainer, and how much faster pipelined is than sync, p
 
 The loop's settings (group size, groups per step, max_lag, update mode, max_batch, num_grad_steps, queue_ahead)
 come from the config; the completion lengths from --lengths (a distribution) or --lengths-from (a file of integers,
-e.g. the lengths of a real run); the share of samples back-propagated (the trainer skips zero-advantage samples)
-from --trained-frac.
+e.g. the lengths of a real run); the share of the trainer's forward tokens back-propagated (it skips zero-advantage
+groups) from --trained-frac.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths-from", default="",
                         help="a run folder (its metrics.jsonl) or a file of completion lengths (integers)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per sample")
-    parser.add_argument("--trained-frac", type=float, default=1.0, help="share of samples back-propagated")
+    parser.add_argument("--trained-frac", type=float, default=1.0,
+                        help="share of the forward tokens (each group's prompt once, every completion) back-propagated")
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps simulated per set-up")
     parser.add_argument("--samples", type=int, default=0, help="also print the predicted time to train this many")
     parser.add_argument("--plot", default="", help="write a plot (PNG) of samples/s per split and the lag histogram")

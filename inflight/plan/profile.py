@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+# what `inflight profile` wrote in the notes before the trainer's shape had fields of its own
+_SHAPE = re.compile(r"trainer measured on (\d+)-token prompts, (\d+)-token completions")
 
 
 class _Strict(BaseModel):
@@ -81,9 +86,29 @@ class TrainerProfile(_Strict):
     tokens_per_s: float = Field(gt=0)  # forward + backward tokens per second (trained samples only)
     step_overhead_s: float = Field(0.0, ge=0)  # per optimizer step: the optimizer, gradient clipping, bookkeeping
     scaling: float = Field(1.0, gt=0, le=1)  # tokens/s at T devices = tokens_per_s * (T / devices) ** scaling
+    # the step shape tokens_per_s was measured on (`inflight profile`): groups of `group_size` samples sharing a
+    # `prompt_tokens` prompt, `completion_tokens` each, tokens counted as prompt + completion of every sample. The
+    # trainer runs a group's prompt once (trainer/prefix.py), so the rate per token it computes is higher by
+    # forward_share(). 0: unknown (a rate from public figures): tokens_per_s is taken as per computed token.
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    group_size: int = Field(0, ge=0)
 
     def tokens_per_s_at(self, devices: int) -> float:
         return self.tokens_per_s * (devices / self.devices) ** self.scaling
+
+    def forward_share(self, group_size: int = 0) -> float:
+        """Tokens the trainer's forward ran over / tokens counted in tokens_per_s, on the measured shape:
+        (P + G C) / (G (P + C)). `group_size` stands in for an unrecorded one (older profiles: the config's)."""
+        g = self.group_size or group_size
+        p, c = self.prompt_tokens, self.completion_tokens
+        if not (g and c):
+            return 1.0
+        return (p + g * c) / (g * (p + c))
+
+    def forward_tokens_per_s_at(self, devices: int, group_size: int = 0) -> float:
+        """Tokens/s the trainer computes (each group's prompt once) on T devices: what the simulator charges."""
+        return self.tokens_per_s_at(devices) * self.forward_share(group_size)
 
 
 class Profile(_Strict):
@@ -134,6 +159,11 @@ class Profile(_Strict):
         except ValueError as exc:
             raise ValueError(f"{path}: not JSON: {exc}") from None
         data.pop("_comment", None)  # the profiles built from public figures carry their sources in a comment
+        trainer = data.get("trainer")
+        if isinstance(trainer, dict) and "completion_tokens" not in trainer:  # measured before the shape was kept
+            m = _SHAPE.search(str(data.get("notes", "")))
+            if m:
+                trainer.update(prompt_tokens=int(m[1]), completion_tokens=int(m[2]))
         return cls.model_validate(data)
 
     def save(self, path: str | Path) -> Path:

@@ -41,22 +41,19 @@ def read_run(run_dir: str | Path, skip: int = 0) -> dict:
 
 
 def trained_share(steps: list[dict], groups_per_step: int) -> float:
-    """The share of the simulator's tokens (prompt + completion of every sample) that the trainer back-propagated.
-    By tokens, not samples: the groups skipped for zero advantage (all right or all wrong) are not of average
-    length (on the scratchpad the all-wrong ones ramble: by samples the share came out 1.15x too high). A step
-    records the tokens its forward ran over with each group's prompt once (`trainer_tokens`); zero-advantage
-    samples come in whole groups under group-normalised advantages, so the trained groups are trained_samples / G
-    and each repeats its prompt G - 1 more times in the simulator's count."""
+    """The share of the forward tokens (each group's prompt once, every completion: what the simulator charges the
+    trainer for) that the trainer back-propagated. By tokens, not samples: the groups skipped for zero advantage
+    (all right or all wrong) are not of average length (on the scratchpad the all-wrong ones ramble: by samples the
+    share came out 1.15x too high). A step records the tokens its forward ran over (`trainer_tokens`, each group's
+    prompt once per micro-batch) and its prompt tokens with each group's prompt once (`prompt_tokens`)."""
     done = total = 0.0
     for r in steps:
         if "trainer_tokens" not in r:  # an older run's record: by samples
             done += r["trained_samples"] / max(1, r["samples"])
             total += 1
             continue
-        g = r["samples"] / groups_per_step  # samples per group
-        prompt = r["prompt_tokens"] / groups_per_step  # per group
-        done += r["trainer_tokens"] + prompt * r["trained_samples"] * (1 - 1 / g)
-        total += r["completion_tokens"] + prompt * r["samples"]
+        done += r["trainer_tokens"]
+        total += r["completion_tokens"] + r["prompt_tokens"]
     return min(1.0, done / total) if total else 1.0
 
 

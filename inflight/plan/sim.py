@@ -13,8 +13,9 @@ What it models, as the code does:
 - a finished group stops its server `server_s_per_group` + `server_s_per_token` x its completion tokens (the
   reply), then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work, then reaches the
   trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
-- the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of its
-  tokens at the profile's tokens/s for T devices), waits for the previous push, then the optimizer step
+- the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of the
+  tokens its forward runs over, the prompt once and every completion, at the profile's rate per such token for T
+  devices: TrainerProfile.forward_tokens_per_s_at), waits for the previous push, then the optimizer step
   (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
   pipelined: a push after every step; sync: the round's first step waits for all of its num_grad_steps x
   groups_per_step groups, and the push follows the round's last step.
@@ -35,14 +36,13 @@ from inflight.plan.workload import SimConfig
 
 
 class _Group:
-    __slots__ = ("index", "min_version", "lengths", "admitted", "left", "server", "versions", "tokens")
+    __slots__ = ("index", "min_version", "lengths", "admitted", "left", "server", "versions")
 
     def __init__(self, index: int, min_version: int, lengths: list[int], server: int):
         self.index, self.min_version, self.lengths, self.server = index, min_version, lengths, server
         self.admitted = 0  # sequences admitted to the batch so far
         self.left = len(lengths)  # sequences not finished
         self.versions: dict[int, int] = {}  # weight version -> completion tokens sampled with it
-        self.tokens = 0  # prompt + completion tokens of all its sequences
 
 
 class _Server:
@@ -136,7 +136,8 @@ class Simulator:
         # time spent in each (trainer threads busy: compute + push, servers busy, actor busy) state: what shares the
         # cores (contention.py)
         self.occupancy: dict[tuple[int, int, int], float] = {}
-        self.tok_s = profile.trainer.tokens_per_s_at(cfg.trainer_devices)
+        # per token the trainer computes: a group's prompt once (trainer/prefix.py), then its completions
+        self.tok_s = profile.trainer.forward_tokens_per_s_at(cfg.trainer_devices, cfg.group_size)
         self.prefill = profile.engine.prefill_tokens_per_s
 
     # -- the event queue ----------------------------------------------------------------------------------------
@@ -185,7 +186,6 @@ class Simulator:
             k = self.started
             min_v = max(0, k // c.groups_per_step - c.max_lag) if c.gated else 0
             g = _Group(k, min_v, [c.lengths.sample(self.rng) for _ in range(c.group_size)], srv.k)
-            g.tokens = sum(g.lengths) + c.prompt_tokens * c.group_size
             self.started += 1
             srv.outstanding += 1
             srv.waiting.append(g)
@@ -334,7 +334,8 @@ class Simulator:
             g = self.ready.get(self.next_group)
             if g is None:
                 return
-            work = c.trained_frac * g.tokens / self.tok_s + self.p.trainer_read_s(sum(g.lengths))
+            forward = c.prompt_tokens + sum(g.lengths)  # what the trainer's forward runs over for this group
+            work = c.trained_frac * forward / self.tok_s + self.p.trainer_read_s(sum(g.lengths))
             self.trainer_busy = True
             self.trainer_time += work
             self._at(self.now + work, "backward", None)

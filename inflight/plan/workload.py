@@ -65,7 +65,9 @@ class SimConfig:
     prompt_tokens: int = 8
     lengths: Lengths = field(default_factory=Lengths)
     trainer_devices: int = 1
-    trained_frac: float = 1.0  # share of samples back-propagated (the trainer skips zero-advantage samples)
+    # share of the forward tokens (each group's prompt once, every completion) back-propagated: the trainer skips
+    # zero-advantage groups (runs.trained_share measures it)
+    trained_frac: float = 1.0
     share_prompt: bool = False  # the engine prefills a group's prompt once (else once per sequence)
     steps: int = 20  # optimizer steps to simulate
     seed: int = 0

@@ -118,6 +118,10 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     step1, step16 = p.engine.decode.step_s[0]
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
+    # the shape the trainer was timed on (defaults: 8-token prompts, 12-token completions, the config's groups of 8)
+    t = p.trainer
+    assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (8, 12, 8)
+    assert t.forward_tokens_per_s_at(1) == pytest.approx(t.tokens_per_s * (8 + 8 * 12) / (8 * 20))
     assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
     for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
         assert 0 < reply < 0.5
@@ -183,15 +187,26 @@ def test_a_step_s_lengths_spread_from_its_min_to_its_max_with_its_mean():
     assert spread(4, 3.0, 3, 3) == [3, 3, 3, 3] and spread(1, 7.0, 7, 7) == [7]
 
 
-def test_trained_share_counts_tokens_as_the_simulator_does():
+def test_trained_share_counts_forward_tokens_as_the_simulator_does():
     from inflight.plan.runs import trained_share
 
-    # 2 groups of 4 per step, 10-token prompts. Step 1: one group trained (its completions 4 x 5 tokens; the other
-    # group's 4 x 20 untrained): the trainer ran 10 + 20 = 30 forward tokens (prompt once).
+    # 2 groups of 4 per step, 10-token prompts (a step records them once per group: 20). Step 1: one group trained
+    # (its completions 4 x 5 tokens; the other group's 4 x 20 untrained): the trainer ran 10 + 20 = 30 forward
+    # tokens (prompt once) of 20 + 100 = 120.
     s1 = {"samples": 8, "trained_samples": 4, "prompt_tokens": 20, "completion_tokens": 100, "trainer_tokens": 30}
-    # step 2: both trained, 8 x 10 completion tokens, 2 prompts: 100 forward tokens
+    # step 2: both trained, 8 x 10 completion tokens, 2 prompts: 100 forward tokens of 100
     s2 = {"samples": 8, "trained_samples": 8, "prompt_tokens": 20, "completion_tokens": 80, "trainer_tokens": 100}
-    # simulator's count: prompt + completion of every sample. Trained: (4 x 10 + 20) + (8 x 10 + 80); all: 180 + 160
-    assert trained_share([s1, s2], groups_per_step=2) == pytest.approx((60 + 160) / (180 + 160))
+    assert trained_share([s1, s2], groups_per_step=2) == pytest.approx((30 + 100) / (120 + 100))
     # by samples it would be 12 / 16 = 0.75: the long untrained group weighs more by tokens
     assert trained_share([{"samples": 8, "trained_samples": 2}], 2) == pytest.approx(0.25)  # old records: by samples
+
+
+def test_an_older_profile_gets_its_trainer_shape_from_its_notes(tmp_path):
+    data = json.loads(small_profile().model_dump_json())
+    for k in ("prompt_tokens", "completion_tokens", "group_size"):
+        data["trainer"].pop(k)
+    data["notes"] = "server threads 1, trainer threads 1, trainer measured on 15-token prompts, 64-token completions"
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    t = Profile.load(tmp_path / "old.json").trainer
+    assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (15, 64, 0)
+    assert t.forward_share(8) == pytest.approx((15 + 8 * 64) / (8 * (15 + 64)))

@@ -60,6 +60,28 @@ def test_trainer_bound_rate_and_step_overhead():
     assert steady(half) == pytest.approx(128 / 0.15, rel=1e-6)  # 0.1 s training + 0.05 s optimizer
 
 
+def test_trainer_charges_each_groups_prompt_once_at_the_measured_forward_rate():
+    # The trainer runs a group's prompt once (trainer/prefix.py). The profile's 6400 tokens/s counted prompt +
+    # completion of every sample on 8-token prompts, 24-token completions, groups of 8: its forward ran over
+    # (8 + 8 x 24) / (8 x (8 + 24)) = 0.78125 of those, 5000 tokens/s. A group here: 40-token prompt + 8 x 10
+    # completion tokens = 120 forward tokens, half of them trained (zero-advantage groups skipped).
+    trainer = TrainerProfile(tokens_per_s=6400.0, prompt_tokens=8, completion_tokens=24, group_size=8)
+    assert trainer.forward_share() == pytest.approx(200 / 256)
+    assert trainer.forward_tokens_per_s_at(1) == pytest.approx(5000.0)
+    prof = flat_profile().model_copy(update={"trainer": trainer})
+    cfg = dataclasses.replace(BASE, max_lag=2, prompt_tokens=40, trained_frac=0.5)
+    step_s = 16 * 0.5 * (40.0 + 8 * 10.0) / (6400.0 * (8 + 8 * 24) / (8 * (8 + 24)))  # 0.192 s > 0.1 s generating
+    r = simulate(prof, cfg)
+    assert steady(r) == pytest.approx(128 / step_s, rel=1e-6)
+    # prompt counted per sample, as before (16 x 0.5 x (8 x 40 + 80) / 6400 = 0.5 s), would be 2.6x slower
+    assert 128 / steady(r) < 0.5 / 2.5
+    # a rate without its shape (public figures) is taken per computed token; an older profile's shape without
+    # its group size takes the config's
+    assert TrainerProfile(tokens_per_s=6400.0).forward_share() == 1.0
+    assert TrainerProfile(tokens_per_s=1.0, prompt_tokens=8, completion_tokens=24).forward_share(8) == \
+        pytest.approx(200 / 256)
+
+
 def test_push_time_delays_gated_requests_and_pause_stops_the_server():
     # on-policy: each step waits for the push (0.02 s) and the server's pause (0.01 s) before generating
     r = simulate(flat_profile(push=0.02, pause=0.01), dataclasses.replace(BASE, max_lag=0))
