@@ -274,7 +274,7 @@ class WeightReceiver:
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
                             "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0,
                             "staged": 0 if adapter else len(prepared),
-                            "lent": sum(1 for p in prepared if p[2]) if not adapter else 0}
+                            "lent": sum(1 for _, _, lent in prepared if lent)}  # prepare_swap never lends
         transport = "file" if req.path else "shm" if req.shm else "broadcast"
         lent = self.last_update["lent"]
         what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
