@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +34,13 @@ CASES = {  # name: overrides of the config
     "sync-4": ["pipeline.mode=sync", "pipeline.num_grad_steps=4"],
 }
 COMMON = ["actor.eval_every=0", "pipeline.tensorboard=false", "pipeline.progress=false"]
+
+
+def speed_index(config: Path, profile: str, path: Path) -> Path:
+    """The machine's speed index against `profile` (inflight/plan/speed.py), in a fresh process as the profile was."""
+    subprocess.run([sys.executable, "-m", "inflight.plan.speed", str(config), "--profile", profile, "--out", str(path)],
+                   cwd=REPO, check=True)
+    return path
 
 
 def read(run_dir: Path, skip: int) -> dict:
@@ -142,11 +151,17 @@ def main(argv: list[str] | None = None) -> int:
                          "one, a table of medians and ranges over the reps follows")
     ap.add_argument("--cores", type=float, default=0, help="model the roles sharing this many cores (0: no)")
     ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit extra per-group reply work to these runs")
+    ap.add_argument("--speed-index", action="store_true",
+                    help="measure the machine's speed against --profile before and after each run "
+                         "(inflight/plan/speed.py) and also predict each run from the profile rescaled by it")
     args = ap.parse_args(argv)
+    if args.speed_index and not args.profile:
+        ap.error("--speed-index needs --profile (it re-measures the profile's points)")
     config = Path(args.config).resolve()
     out = Path(args.out or REPO / "runs" / "plan-check" / config.stem)
     out.mkdir(parents=True, exist_ok=True)
     reals, reps = {}, {}
+    previous = None  # the index measured after the previous run: the next run's "before"
     for rep in range(args.repeats):  # the cases in turn, so that a drift of the machine's load spreads over all
         for name in args.cases.split(","):
             mode = "sync" if "sync" in name else "pipelined"
@@ -154,8 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             if not args.report_only and not (run_dir / "summary.json").exists():
                 from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
 
+                before = out / f"{run_dir.name}.speed-before.json"
+                if args.speed_index:
+                    _ = shutil.copy(previous, before) if previous else speed_index(config, args.profile, before)
                 run_once(config, name, mode, rep, out, 3.0, args.steps, CASES[name] + COMMON)
+                if args.speed_index:
+                    previous = speed_index(config, args.profile, out / f"{run_dir.name}.speed-after.json")
+            else:
+                previous = None
             r = read(run_dir, args.skip)
+            r["speed"] = [json.loads(f.read_text()) for f in sorted(out.glob(f"{run_dir.name}.speed-*.json"))]
             reps.setdefault(name, []).append(r)
             reals.setdefault(name, r)
             print(f"{name} (rep {rep}): measured {r['samples_per_s']:.1f} samples/s, {r['step_s'] * 1e3:.0f} ms/step, "
@@ -166,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = Profile.load(args.profile)
     results = {}
-    pred = lambda prof, n: predict(prof, CASES[n] + COMMON, reals[n], args.steps, args.skip,  # noqa: E731
-                                   args.cores, config)
+    def pred(prof, n: str, real: dict | None = None) -> dict:  # one run (default: the case's first) from its workload
+        return predict(prof, CASES[n] + COMMON, real or reals[n], args.steps, args.skip, args.cores, config)
+
     rows = [(n, r, pred(profile, n)) for n, r in reals.items()]
     shared = f", roles sharing {args.cores:g} cores (contention.py)" if args.cores else ""
     reply = (f"; reply work as profiled: server {profile.server_s_per_group * 1e3:.2f} ms per group + "
@@ -178,7 +202,20 @@ def main(argv: list[str] | None = None) -> int:
           f"samples/s after step {args.skip})", rows)
     results["profile"] = rows
     if args.repeats > 1:  # each rep predicted from its own workload (lengths, trained share)
-        summary(args.repeats, {n: [(r, pred(profile, n)) for r in rs] for n, rs in reps.items()})
+        summary(args.repeats, {n: [(r, pred(profile, n, r)) for r in rs] for n, rs in reps.items()})
+    if any(r["speed"] for rs in reps.values() for r in rs):  # each run from the profile at its measured speed
+        from inflight.plan.speed import ratios, rescaled
+
+        timed = {n: [(r, ratios(profile, r["speed"])) for r in rs if r["speed"]] for n, rs in reps.items()}
+        for n, rs in timed.items():
+            print(f"speed index, {n}: " + ", ".join(f"trainer x{t:.2f} engine x{e:.2f}" for _, (t, e) in rs))
+        rows_s = [(n, rs[0][0], pred(rescaled(profile, *rs[0][1]), n, rs[0][0])) for n, rs in timed.items() if rs]
+        table(f"PREDICTED from profile {args.profile} rescaled to the machine's speed measured before and after each "
+              f"run (inflight/plan/speed.py){shared}", rows_s)
+        results["speed_index"] = rows_s
+        if args.repeats > 1:
+            summary(args.repeats, {n: [(r, pred(rescaled(profile, *sp), n, r)) for r, sp in rs]
+                                   for n, rs in timed.items() if rs})
     reply_fields = [f"{r}_s_per_{u}" for r in ("server", "actor", "trainer") for u in ("group", "token")]
     if any(getattr(profile, f) for f in reply_fields):  # what the profile predicts without its reply work
         bare = profile.model_copy(update={f: 0.0 for f in reply_fields})

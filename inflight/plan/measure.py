@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 import time
 from typing import Any, Callable
 
@@ -45,9 +46,10 @@ def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: in
 # ---- the built-in engine, in this process -------------------------------------------------------------------------
 def measure_engine(model_path: str, batches: list[int], contexts: list[int], threads: int = 1,
                    new_tokens: tuple[int, int] = (8, 40), precision: str = "float32",
-                   repeats: int = 3) -> tuple[EngineProfile, float]:
+                   repeats: int = 3, max_batch: int = 0) -> tuple[EngineProfile, float]:
     """(EngineProfile, pause_s): the built-in engine's step-time grid, prefill tokens/s, and the seconds a weight
-    swap of all parameters stops it (run_paused + load_weights, as a push does)."""
+    swap of all parameters stops it (run_paused + load_weights, as a push does). The engine is sized for
+    `max_batch` (default: the largest batch measured)."""
     import torch
 
     from inflight.engine.core import InferenceEngine
@@ -56,7 +58,8 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
     if threads > 0:
         torch.set_num_threads(threads)
     n1, n2 = new_tokens
-    eng = InferenceEngine(model_path, max_batch=max(batches), max_model_len=max(contexts) + n2 + 8,
+    max_batch = max_batch or max(batches)
+    eng = InferenceEngine(model_path, max_batch=max_batch, max_model_len=max(contexts) + n2 + 8,
                           threads=threads, generator_precision=precision)
     eng.start()
     vocab = eng.vocab_size
@@ -91,7 +94,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
             pauses.append(time.perf_counter() - t0)
     finally:
         eng.stop()
-    prof = EngineProfile(name="builtin", model=model_path, devices=max(1, threads), max_batch=max(batches),
+    prof = EngineProfile(name="builtin", model=model_path, devices=max(1, threads), max_batch=max_batch,
                          decode=DecodeCurve(batches=batches, contexts=contexts, step_s=grid),
                          prefill_tokens_per_s=prefill_tok_s)
     return prof, min(pauses)
@@ -145,19 +148,20 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
 
 # ---- the trainer --------------------------------------------------------------------------------------------------
 def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
-                  completion: int = 12) -> tuple[Callable[[], tuple[float, float]], int]:
+                  completion: int = 12, trainer: Any = None) -> tuple[Callable[[], tuple[float, float]], int]:
     """(step, tokens): step() runs forward + backward (all samples trained: advantages +-1) of `groups` groups of
     `group_size` samples sharing a prompt, packed as the trainer loop packs them, then the optimizer step, and
     returns (backward seconds, optimizer seconds); tokens counted as the simulator counts them: prompt +
-    completion of every sample. `cfg`: TrainerConfig."""
+    completion of every sample. `cfg`: TrainerConfig; `trainer`: one already made (default: a new one)."""
     from inflight.algo.config import AlgoConfig
     from inflight.algo.losses import make_loss
     from inflight.contracts import Sample
     from inflight.trainer.factory import make_trainer
     from inflight.trainer.packing import count_loss_tokens, pack_samples
 
-    trainer = make_trainer(model_path, cfg)
-    trainer.init()
+    if trainer is None:
+        trainer = make_trainer(model_path, cfg)
+        trainer.init()
     vocab = trainer.model.config.vocab_size  # type: ignore[attr-defined]
     rng = random.Random(0)
     samples, adv = [], []
@@ -178,20 +182,33 @@ def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 
         trainer.optimizer_step()
         return t1 - t0, time.perf_counter() - t1
 
+    step.trainer = trainer  # type: ignore[attr-defined]
     return step, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
 
 
 def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
                     completion: int = 12, steps: int = 7) -> TrainerProfile:
     """Forward + backward tokens/s and the optimizer step's seconds (trainer_bench), medians of `steps` after a
-    warm-up. `cfg`: TrainerConfig."""
+    warm-up; and how the cost per token grows with the completion's length (`length_slope`): the same step with
+    completions half as long, timed in turn with it. `cfg`: TrainerConfig."""
     step, tokens = trainer_bench(model_path, cfg, group_size, groups, prompt, completion)
-    step()  # warm-up
-    back, opt = zip(*(step() for _ in range(steps)), strict=True)
-    b, o = sorted(back)[len(back) // 2], sorted(opt)[len(opt) // 2]
+    short = max(1, completion // 2)
+    step2, tokens2 = trainer_bench(model_path, cfg, group_size, groups, prompt, short, trainer=step.trainer)
+    step(), step2()  # warm-up
+    back, opt, back2 = [], [], []
+    for _ in range(steps):
+        b, o = step()
+        back.append(b), opt.append(o), back2.append(step2()[0])
+    b, b2, o = (statistics.median(v) for v in (back, back2, opt))
     devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
-    return TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o,
+    prof = TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o,
                           prompt_tokens=prompt, completion_tokens=completion, group_size=group_size)
+    if short < completion:  # seconds per forward token at both lengths -> relative growth per completion token
+        forward = lambda c: groups * (prompt + group_size * c)  # noqa: E731  (each group's prompt once)
+        long_s, short_s = b / forward(completion), b2 / forward(short)
+        # a cost that falls with length is noise (a longer row never costs less): flat then
+        prof.length_slope = min(0.1, max(0.0, (long_s - short_s) / (long_s * (completion - short))))
+    return prof
 
 
 # ---- the push ----------------------------------------------------------------------------------------------------

@@ -93,6 +93,10 @@ class TrainerProfile(_Strict):
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
     group_size: int = Field(0, ge=0)
+    # how the cost per computed token grows with the completion's length (each token's attention row), relative to
+    # the measured shape, per completion token: the cost at length L is (1 + length_slope (L - completion_tokens))
+    # times the measured one. 0: not measured (flat)
+    length_slope: float = Field(0.0, ge=-0.1, le=0.1)
 
     def tokens_per_s_at(self, devices: int) -> float:
         return self.tokens_per_s * (devices / self.devices) ** self.scaling
@@ -105,6 +109,12 @@ class TrainerProfile(_Strict):
         if not (g and c):
             return 1.0
         return (p + g * c) / (g * (p + c))
+
+    def length_factor(self, completion: float) -> float:
+        """Cost per computed token at mean completion length `completion`, over the measured shape's (>= 0.25)."""
+        if not (self.length_slope and self.completion_tokens):
+            return 1.0
+        return max(0.25, 1.0 + self.length_slope * (completion - self.completion_tokens))
 
     def forward_tokens_per_s_at(self, devices: int, group_size: int = 0) -> float:
         """Tokens/s the trainer computes (each group's prompt once) on T devices: what the simulator charges."""

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         trainer = measure.measure_trainer(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
                                           prompt=args.prompt_tokens, completion=args.completion_tokens)
-        print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms")
+        print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms, "
+              f"cost per token +{trainer.length_slope:.2%} per completion token")
     if not (args.server or args.no_trainer or args.no_corun) and cfg.server.engine == "builtin":
         reply.update(measure_corun(cfg, args.prompt_tokens, args.completion_tokens))
     prof = Profile(source=f"measured by `inflight profile {args.config}` on {platform.node()} ({platform.machine()}, "

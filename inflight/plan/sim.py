@@ -15,7 +15,7 @@ What it models, as the code does:
   trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of the
   tokens its forward runs over, the prompt once and every completion, at the profile's rate per such token for T
-  devices: TrainerProfile.forward_tokens_per_s_at), waits for the previous push, then the optimizer step
+  devices: TrainerProfile.forward_tokens_per_s_at, scaled by the group's mean length: length_factor), waits for the previous push, then the optimizer step
   (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
   pipelined: a push after every step; sync: the round's first step waits for all of its num_grad_steps x
   groups_per_step groups, and the push follows the round's last step.
@@ -335,7 +335,8 @@ class Simulator:
             if g is None:
                 return
             forward = c.prompt_tokens + sum(g.lengths)  # what the trainer's forward runs over for this group
-            work = c.trained_frac * forward / self.tok_s + self.p.trainer_read_s(sum(g.lengths))
+            cost = self.p.trainer.length_factor(sum(g.lengths) / len(g.lengths)) / self.tok_s
+            work = c.trained_frac * forward * cost + self.p.trainer_read_s(sum(g.lengths))
             self.trainer_busy = True
             self.trainer_time += work
             self._at(self.now + work, "backward", None)

@@ -39,7 +39,8 @@ def test_read_and_tv(tmp_path):
         b.read(tmp_path, skip=4)
 
 
-def test_report_only_prints_the_prediction_with_and_without_the_reply_work(tmp_path, capsys):
+def test_report_only_prints_the_prediction_with_and_without_the_reply_work_and_at_the_measured_speed(tmp_path,
+                                                                                                    capsys):
     from tests.plan.test_sim import flat_profile
 
     b = load("plan_check")
@@ -53,6 +54,9 @@ def test_report_only_prints_the_prediction_with_and_without_the_reply_work(tmp_p
     prof = flat_profile(step_s=0.002, tok_s=50000.0).model_copy(update={"server_s_per_group": 0.002,
                                                                       "actor_s_per_token": 1e-5})
     path = prof.save(tmp_path / "p.json")
+    for when, tok_s in (("before", 80000.0), ("after", 125000.0)):  # the trainer 2x as fast, the engine 1.25x
+        (tmp_path / f"keep-lag1-pipelined-0.speed-{when}.json").write_text(json.dumps(
+            {"trainer_tokens_per_s": tok_s, "decode_step_s": 0.0016, "batch": 128, "context": 1}))
     assert b.main(["--profile", str(path), "--out", str(tmp_path), "--report-only", "--cases", "keep-lag1",
                    "--steps", "8", "--skip", "2"]) == 0
     out = capsys.readouterr().out
@@ -61,6 +65,8 @@ def test_report_only_prints_the_prediction_with_and_without_the_reply_work(tmp_p
     with_reply, without = res["profile"][0]["predicted"], res["no_reply"][0]["predicted"]
     assert res["profile"][0]["measured"]["samples_per_s"] == pytest.approx(128 / 0.2)
     assert with_reply["samples_per_s"] < without["samples_per_s"]  # the reply work stops the server
+    assert "speed index, keep-lag1: trainer x2.00 engine x1.25" in out
+    assert res["speed_index"][0]["predicted"]["samples_per_s"] > with_reply["samples_per_s"]
     more = b.with_reply(prof, 0.004, 0.5)  # calibration adds to what the profile holds
     assert more.server_s_per_group == pytest.approx(0.004) and more.actor_s_per_group == pytest.approx(0.002)
     assert more.actor_s_per_token == pytest.approx(1e-5)

@@ -122,6 +122,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     t = p.trainer
     assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (8, 12, 8)
     assert t.forward_tokens_per_s_at(1) == pytest.approx(t.tokens_per_s * (8 + 8 * 12) / (8 * 20))
+    assert 0.0 <= t.length_slope <= 0.1  # timed again at 6-token completions: a longer row never costs less
     assert p.pause_s < p.push_s < 5.0  # a real push to a real server: more than the swap alone
     for reply in (p.server_reply_s(96), p.actor_reply_s(96), p.trainer_read_s(96)):  # timed on the real code
         assert 0 < reply < 0.5
@@ -210,3 +211,25 @@ def test_an_older_profile_gets_its_trainer_shape_from_its_notes(tmp_path):
     t = Profile.load(tmp_path / "old.json").trainer
     assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (15, 64, 0)
     assert t.forward_share(8) == pytest.approx((15 + 8 * 64) / (8 * (15 + 64)))
+
+
+def test_the_trainer_charge_grows_with_the_groups_length_as_measured():
+    import dataclasses
+
+    from inflight.plan.sim import simulate
+    from tests.plan.test_sim import BASE
+
+    t = TrainerProfile(tokens_per_s=1000.0, prompt_tokens=0, completion_tokens=64, group_size=8, length_slope=0.005)
+    assert t.length_factor(64) == 1.0 and t.length_factor(32) == pytest.approx(0.84)
+    assert t.length_factor(128) == pytest.approx(1.32) and t.length_factor(-1000) == 0.25  # never below a quarter
+    assert TrainerProfile(tokens_per_s=1.0, length_slope=0.005).length_factor(5) == 1.0  # no shape: flat
+    # a trainer-bound sync loop on 10-token completions: the trainer's seconds scale by 1 + 0.005 (10 - 64) = 0.73
+    flat = small_profile().model_copy(update={"trainer": t.model_copy(update={"length_slope": 0.0}),
+                                              "overhead_s": 0.0})
+    sloped = flat.model_copy(update={"trainer": t})
+    cfg = dataclasses.replace(BASE, mode="sync", num_grad_steps=1)
+    a, b = simulate(flat, cfg), simulate(sloped, cfg)
+    trainer_s = lambda r: r.trainer_busy * r.seconds_per_step - flat.trainer.step_overhead_s  # noqa: E731
+    assert trainer_s(b) == pytest.approx(0.73 * trainer_s(a), rel=1e-3)
+    with pytest.raises(ValidationError):
+        TrainerProfile(tokens_per_s=1.0, length_slope=0.5)
