@@ -76,6 +76,7 @@ class EngineProfile(_Strict):
     model: str = ""
     devices: int = Field(1, ge=1)  # devices (GPUs, or CPU threads) one server uses
     max_batch: int = Field(128, ge=1)  # the largest batch measured / allowed
+    max_model_len: int = Field(0, ge=0)  # the KV cache's length per sequence it was measured with (0: not recorded)
     decode: DecodeCurve
     prefill_tokens_per_s: float = Field(gt=0)
 

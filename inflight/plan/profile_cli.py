@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                                         repeats=args.repeats)
     else:
         engine, pause = measure.measure_engine(cfg.model.path, batches, contexts, threads=cfg.server.threads,
-                                               precision=cfg.server.generator_precision, repeats=args.repeats)
+                                               precision=cfg.server.generator_precision, repeats=args.repeats,
+                                               max_model_len=cfg.server.max_model_len)
     print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
     push = args.push_s

@@ -43,7 +43,9 @@ def measure_index(cfg, profile: Profile, steps: int = 4, repeats: int = 3) -> di
     batch, context = index_point(profile, cfg.actor.group_size * cfg.actor.groups_per_step)
     engine, _ = measure_engine(cfg.model.path, [batch], [context], threads=cfg.server.threads,
                                precision=cfg.server.generator_precision, repeats=repeats,
-                               max_batch=profile.engine.max_batch)
+                               max_batch=profile.engine.max_batch,
+                               # an older profile's engine was sized for its grid: the longest context + 40 + 8
+                               max_model_len=profile.engine.max_model_len or max(profile.engine.decode.contexts) + 48)
     return {"trainer_tokens_per_s": tokens / backward, "decode_step_s": engine.decode.step_s[0][0],
             "batch": batch, "context": context,
             "time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}

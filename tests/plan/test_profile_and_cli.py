@@ -115,6 +115,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     assert code == 0
     p = Profile.load(out)
     assert p.engine.decode.batches == [1, 16] and p.engine.decode.contexts == [24]
+    assert p.engine.max_model_len == 512  # sized as the config's server (server.max_model_len), not just the grid
     step1, step16 = p.engine.decode.step_s[0]
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
