@@ -20,6 +20,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,10 +45,50 @@ def speed_index(config: Path, profile: str, path: Path) -> Path:
     return path
 
 
+class RoleCpu(threading.Thread):
+    """Samples each role's CPU seconds during a run (its process and its children: the actor's reward workers), for
+    the pids the launcher logs (`roles_started`): what each role really spent, beside what the simulator charges."""
+
+    def __init__(self, metrics: Path, out: Path, every_s: float = 0.25):
+        super().__init__(daemon=True)
+        self.metrics, self.out, self.every_s = metrics, out, every_s
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from inflight.plan.reply import children_of, thread_cpu_s
+
+        pids, samples = None, []
+        while not self.done.wait(self.every_s):
+            if pids is None and self.metrics.exists():
+                pids = next((json.loads(line)["pids"] for line in self.metrics.read_text().splitlines()
+                             if '"roles_started"' in line), None)
+            if pids:
+                samples.append((time.time(), {role: sum(thread_cpu_s(p) for p in [pid, *children_of(pid)])
+                                              for role, pid in pids.items()}))
+        self.out.write_text(json.dumps(samples))
+
+
+def role_cpu(run_dir: Path, skip: int) -> dict[str, float]:
+    """CPU seconds per optimizer step of each role between the end of step `skip` and the last step (RoleCpu's
+    samples nearest inside that span); {} when the run was not sampled."""
+    path = run_dir.parent / f"{run_dir.name}.cpu.json"
+    if not path.exists():
+        return {}
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"train_step"' in line]
+    t_a, t_b = steps[max(1, skip) - 1]["time"], steps[-1]["time"]
+    inside = [(t, c) for t, c in json.loads(path.read_text()) if t_a <= t <= t_b]
+    if len(inside) < 2:
+        return {}
+    (ta, ca), (tb, cb) = inside[0], inside[-1]
+    per_s = (len(steps) - max(1, skip)) / (t_b - t_a)  # steps per second over the span
+    return {role: (cb[role] - ca[role]) / (tb - ta) / per_s for role in cb if role in ca}
+
+
 def read(run_dir: Path, skip: int) -> dict:
     from inflight.plan.runs import read_run
 
-    return read_run(run_dir, skip)
+    return {**read_run(run_dir, skip), "cpu": role_cpu(run_dir, skip)}
 
 
 DEFAULT_CONFIG = REPO / "configs" / "cpu-demo.yaml"
@@ -114,16 +156,23 @@ def summary(repeats: int, pairs: dict[str, list[tuple[dict, dict]]]) -> None:
     TV distance median (max)."""
     med = statistics.median
     print(f"\nOver {repeats} runs per case (each predicted from its own workload): medians (min-max)\n")
-    print("| case | measured samples/s | predicted | pred/meas | lag TV distance | trainer s/step pred/meas |")
-    print("|---|---|---|---|---|---|")
+    print("| case | measured samples/s | predicted | pred/meas | lag TV distance | trainer s/step pred/meas | "
+          "CPU ms/step measured (server, trainer, actor + rewards) | simulated busy ms/step (server, trainer) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, ps in pairs.items():
         meas = [r["samples_per_s"] for r, _ in ps]
         ratio = [p["samples_per_s"] / r["samples_per_s"] for r, p in ps]
         dist = [tv(r["lag"], p["lag"]) for r, p in ps]
         train = [p["trainer_step_s"] / (r["trainer_busy"] * r["step_s"]) for r, p in ps]
+        cpus = [r["cpu"] for r, _ in ps if r.get("cpu")]
+        cpu = ", ".join(f"{med(c[k] for c in cpus) * 1e3:.0f}" for k in ("server0", "trainer", "actor")
+                        if all(k in c for c in cpus)) if cpus else "not sampled"
+        busy = (f"{med(p['server_busy'] * p['step_s'] for _, p in ps) * 1e3:.0f}, "
+                f"{med(p['trainer_step_s'] for _, p in ps) * 1e3:.0f}")
         print(f"| {name} | {med(meas):.0f} ({min(meas):.0f}-{max(meas):.0f}) | "
               f"{med(p['samples_per_s'] for _, p in ps):.0f} | {med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
-              f"{med(dist):.3f} ({max(dist):.3f}) | {med(train):.2f} ({min(train):.2f}-{max(train):.2f}) |")
+              f"{med(dist):.3f} ({max(dist):.3f}) | {med(train):.2f} ({min(train):.2f}-{max(train):.2f}) | {cpu} | "
+              f"{busy} |")
 
 
 def tv(p: dict[int, int], q: dict[int, int]) -> float:
@@ -172,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                 before = out / f"{run_dir.name}.speed-before.json"
                 if args.speed_index:
                     _ = shutil.copy(previous, before) if previous else speed_index(config, args.profile, before)
+                sampler = RoleCpu(run_dir / "metrics.jsonl", out / f"{run_dir.name}.cpu.json")
+                sampler.start()
                 run_once(config, name, mode, rep, out, 3.0, args.steps, CASES[name] + COMMON)
+                sampler.done.set()
+                sampler.join()
                 if args.speed_index:
                     previous = speed_index(config, args.profile, out / f"{run_dir.name}.speed-after.json")
             else:
@@ -194,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [(n, r, pred(profile, n)) for n, r in reals.items()]
     shared = f", roles sharing {args.cores:g} cores (contention.py)" if args.cores else ""
-    reply = (f"; reply work as profiled: server {profile.server_s_per_group * 1e3:.2f} ms per group + "
+    reply = (f"; reply work as profiled: server {profile.server_s_per_request * 1e3:.2f} ms per group's requests, "
+             f"{profile.server_s_per_group * 1e3:.2f} ms per group + "
              f"{profile.server_s_per_token * 1e6:.2f} us per token, actor {profile.actor_s_per_group * 1e3:.2f} ms + "
              f"{profile.actor_s_per_token * 1e6:.2f} us, trainer stream read {profile.trainer_s_per_group * 1e3:.2f} "
              f"ms + {profile.trainer_s_per_token * 1e6:.2f} us")
@@ -216,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats > 1:
             summary(args.repeats, {n: [(r, pred(rescaled(profile, *sp), n, r)) for r, sp in rs]
                                    for n, rs in timed.items() if rs})
-    reply_fields = [f"{r}_s_per_{u}" for r in ("server", "actor", "trainer") for u in ("group", "token")]
+    reply_fields = ["server_s_per_request",
+                    *(f"{r}_s_per_{u}" for r in ("server", "actor", "trainer") for u in ("group", "token"))]
     if any(getattr(profile, f) for f in reply_fields):  # what the profile predicts without its reply work
         bare = profile.model_copy(update={f: 0.0 for f in reply_fields})
         rows0 = [(n, r, pred(bare, n)) for n, r in reals.items()]

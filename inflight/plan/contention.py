@@ -30,6 +30,7 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
                                         "step_overhead_s": t.step_overhead_s * trainer}),
         "pause_s": profile.pause_s * server, "push_s": profile.push_s * trainer,
         "server_s_per_group": profile.server_s_per_group * server,
+        "server_s_per_request": profile.server_s_per_request * server,
         "server_s_per_token": profile.server_s_per_token * server,
         "actor_s_per_group": profile.actor_s_per_group * actor,
         "actor_s_per_token": profile.actor_s_per_token * actor,

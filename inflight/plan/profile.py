@@ -139,6 +139,8 @@ class Profile(_Strict):
     server_s_per_group: float = Field(0.0, ge=0)
     # the reply work's share that grows with the group's completion tokens (logprob lists, detokenising, JSON)
     server_s_per_token: float = Field(0.0, ge=0)
+    # per group: seconds its requests stop the server when they arrive (HTTP, parsing, the chat prompt, submission)
+    server_s_per_request: float = Field(0.0, ge=0)
     actor_s_per_token: float = Field(0.0, ge=0)
     # per group on the trainer, besides back-propagating it: reading it from the stream and decoding it (every
     # group, trained samples or not)

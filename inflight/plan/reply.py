@@ -12,6 +12,10 @@ milliseconds per group turning finished sequences into a JSON reply, parsing it,
              parsing, samples, msgpack and the stream put) plus its reward workers';
     trainer  reading the groups back (stream get + decode), the trainer's side of the stream.
 
+The server's share that is spent when a group's requests arrive (HTTP, parsing, the chat prompt, submission) is
+timed apart: requests held at the server's version gate, so that nothing decodes or replies meanwhile. It falls on
+the server at the arrival, not at the end: a sync round's requests come in one burst, right when the weights do.
+
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
 engine thread and is in the decode curve already. Each role is timed at two lengths L1 < L2 and written as
 seconds per group + seconds per completion token (a line through the two points, each cost >= 0).
@@ -105,7 +109,31 @@ def fixed_length_rollout(length: int) -> Any:
     return rollout
 
 
-async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int], groups: int) -> list[ReplyCost]:
+PARKED = 2 ** 40  # a weight version no server reaches: a request asking for it is parsed, then held
+
+
+async def _request_cost(actor: Any, server_pid: int, groups: int, length: int) -> float:
+    """The server main thread's CPU seconds per group while the group's requests arrive: the actor's own requests
+    (RolloutClient, as a rollout sends them), held by the server's version gate (PARKED) so that nothing decodes or
+    replies meanwhile; they end in 409 when the server's version wait runs out."""
+    cfg = actor.cfg
+    prompts = [next(actor.prompts) for _ in range(groups)]
+
+    async def group(ts: Any) -> None:
+        n = cfg.group_size if cfg.use_n else 1
+        await asyncio.gather(*(actor.client.chat(ts.messages, n=n, max_tokens=length, min_weight_version=PARKED)
+                               for _ in range(cfg.group_size // n)), return_exceptions=True)
+
+    s0 = thread_cpu_s(server_pid, server_pid)
+    tasks = [asyncio.create_task(group(ts)) for ts in prompts]
+    await asyncio.sleep(0.2 + 0.005 * groups)  # every request parsed and held (a few ms each)
+    s1 = thread_cpu_s(server_pid, server_pid)
+    await asyncio.gather(*tasks)
+    return (s1 - s0) / groups
+
+
+async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
+                  groups: int) -> tuple[list[ReplyCost], float]:
     import multiprocessing as mp
 
     from inflight.actor.run import make_rewards, open_actor
@@ -138,16 +166,19 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int], group
                               sum(thread_cpu_s(p) for p in workers))
                 out.append(ReplyCost(length, cfg.actor.group_size, groups, (s1 - s0) / groups,
                                      (a1 - a0 - trainer) / groups, (r1 - r0) / groups, trainer / groups, wall))
+            request_s = await _request_cost(actor, server_pid, groups, lengths[0])
     finally:
         await asyncio.to_thread(rewards.close)
         stream.close()
-    return out[1:]
+    return out[1:], request_s
 
 
-def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None, groups: int = 0) -> list[ReplyCost]:
+def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
+                  groups: int = 0) -> tuple[list[ReplyCost], float]:
     """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
-    worth). `cfg`: RunConfig, built-in engine (the server's main thread is read from /proc)."""
+    worth); and the server's share of it spent when a group's requests arrive (_request_cost). `cfg`: RunConfig,
+    built-in engine (the server's main thread is read from /proc)."""
     from inflight.engine.serve import ServerProcess
     from inflight.host import free_port
     from inflight.pipeline.launch_common import server_command, thread_env
@@ -165,6 +196,7 @@ def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None, groups: int 
     argv = server_command(cfg, 0)  # as the launcher starts it: [python, -m, ..., --model M, --host H, --port P, ...]
     at = argv.index("--model")
     host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
-    with ServerProcess(argv[at + 1], host=host, port=port, command=argv[:at], extra_args=argv[at + 6:],
+    extra = [*argv[at + 6:], "--version-wait-s", "1"]  # the held requests of _request_cost end soon (last wins)
+    with ServerProcess(argv[at + 1], host=host, port=port, command=argv[:at], extra_args=extra,
                        env=thread_env(cfg.server.threads)) as server:
         return asyncio.run(_rounds(cfg, server.url, server.proc.pid, list(lengths), groups))

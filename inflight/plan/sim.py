@@ -10,8 +10,9 @@ What it models, as the code does:
 - a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
   t(b, c), newly admitted prompts cost prompt tokens / prefill tokens/s before the step; an update is swapped in at
   the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
-- a finished group stops its server `server_s_per_group` + `server_s_per_token` x its completion tokens (the
-  reply), then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work, then reaches the
+- a group's requests stop their server `server_s_per_request` at the next step boundary after they arrive (parsing,
+  before a weight update that arrives after them); a finished group stops it `server_s_per_group` +
+  `server_s_per_token` x its completion tokens (the reply), then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work, then reaches the
   trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of the
   tokens its forward runs over, the prompt once and every completion, at the profile's rate per such token for T
@@ -56,6 +57,7 @@ class _Server:
         self.ctx_base = 0  # sum over running sequences of (prompt - start counter); + b * counter = total context
         self.waiting: deque[_Group] = deque()
         self.pending: int | None = None  # a version that arrived and waits for the next step boundary
+        self.requests_s = 0.0  # arrived requests' work not yet done (its HTTP thread: done at the next boundary)
         self.chunk: tuple[int, float, float, float, int, int] | None = None  # (id, t0, steps start, dt, n, b)
         self.paused = False
         self.kick_due = False  # a "kick" event is queued (all of one instant's arrivals join the same batch)
@@ -189,7 +191,9 @@ class Simulator:
             self.started += 1
             srv.outstanding += 1
             srv.waiting.append(g)
-            self._poke(srv, admissible=min_v <= srv.version and len(srv.heap) < c.max_batch)
+            srv.requests_s += self.p.server_s_per_request
+            self._poke(srv, admissible=(min_v <= srv.version and len(srv.heap) < c.max_batch)
+                       or self.p.server_s_per_request > 0)
 
     # -- servers --------------------------------------------------------------------------------------------------
     def _poke(self, srv: _Server, admissible: bool) -> None:
@@ -222,6 +226,12 @@ class Simulator:
         """The server is free at self.now: swap in a pending update, admit waiting sequences, run until the next
         sequence ends."""
         c, t = self.cfg, self.now
+        if srv.requests_s > 0:  # the requests that arrived are parsed first (the update's handler queues behind them)
+            cost, srv.requests_s = srv.requests_s, 0.0
+            srv.busy += cost
+            srv.paused = True
+            self._at(t + cost, "resume", srv)
+            return
         if srv.pending is not None:
             cost = self.p.pause_s
             if c.update_mode == "interrupt" and srv.heap:

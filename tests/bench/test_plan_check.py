@@ -60,7 +60,7 @@ def test_report_only_prints_the_prediction_with_and_without_the_reply_work_and_a
     assert b.main(["--profile", str(path), "--out", str(tmp_path), "--report-only", "--cases", "keep-lag1",
                    "--steps", "8", "--skip", "2"]) == 0
     out = capsys.readouterr().out
-    assert "server 2.00 ms per group" in out and "without its reply work" in out
+    assert "server 0.00 ms per group's requests, 2.00 ms per group +" in out and "without its reply work" in out
     res = json.loads((tmp_path / "check.json").read_text())
     with_reply, without = res["profile"][0]["predicted"], res["no_reply"][0]["predicted"]
     assert res["profile"][0]["measured"]["samples_per_s"] == pytest.approx(128 / 0.2)

@@ -151,3 +151,19 @@ def test_bad_settings_are_refused():
         Lengths("gamma:3")
     with pytest.raises(ValueError):
         Lengths(values=[0, 3])
+
+
+def test_a_groups_requests_stop_the_server_when_they_arrive():
+    # one round of 16 groups x 8 = one full batch of 128, 10 decode steps of 10 ms, everything else free: the 16
+    # requests (2 ms each) are parsed first, then the batch decodes: 32 + 100 ms
+    cfg = dataclasses.replace(BASE, mode="sync", num_grad_steps=1, steps=1, gated=False)
+    prof = flat_profile().model_copy(update={"server_s_per_request": 0.002})
+    r = simulate(prof, cfg)
+    assert r.step_end_s == [pytest.approx(0.132)]
+    assert r.server_busy[0] == pytest.approx(1.0)
+    # charged at the arrival or at the reply (server_s_per_group), the server does the same work: 2 steps x 32 ms,
+    # here with the second step's requests sent ahead, arriving while the first step decodes
+    two = dataclasses.replace(BASE, steps=2, max_lag=0, queue_ahead=1)
+    a = simulate(prof, two)
+    b = simulate(flat_profile().model_copy(update={"server_s_per_group": 0.002}), two)
+    assert a.server_busy[0] * a.wall_s == pytest.approx(b.server_busy[0] * b.wall_s)  # the same work, 2 x 32 ms
