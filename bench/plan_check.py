@@ -10,6 +10,9 @@ From a run's metrics.jsonl: samples/s between the end of step --skip and the las
 the lag histogram of all trained tokens, and the workload the simulator needs (completion lengths, prompt tokens
 per group, the share of samples back-propagated). The simulator then runs the same config on the profile and the
 table gives predicted / measured samples/s and the total-variation distance of the two lag histograms.
+While a run goes, each role's CPU seconds are sampled from /proc (RoleCpu), for a column of what each role really
+spent per step beside what the simulator charges it. With --speed-index, the machine's speed against the profile
+is measured before and after every run (inflight/plan/speed.py), and each run is also predicted at that speed.
 """
 
 from __future__ import annotations
@@ -58,13 +61,17 @@ class RoleCpu(threading.Thread):
         from inflight.plan.reply import children_of, thread_cpu_s
 
         pids, samples = None, []
+        seen: dict[str, dict[int, float]] = {}  # role -> pid -> its CPU seconds when last seen alive
         while not self.done.wait(self.every_s):
             if pids is None and self.metrics.exists():
                 pids = next((json.loads(line)["pids"] for line in self.metrics.read_text().splitlines()
                              if '"roles_started"' in line), None)
             if pids:
-                samples.append((time.time(), {role: sum(thread_cpu_s(p) for p in [pid, *children_of(pid)])
-                                              for role, pid in pids.items()}))
+                for role, pid in pids.items():  # a child that exits keeps its last reading: the sum never falls
+                    mine = seen.setdefault(role, {})
+                    for p in [pid, *children_of(pid)]:
+                        mine[p] = max(mine.get(p, 0.0), thread_cpu_s(p))
+                samples.append((time.time(), {role: sum(mine.values()) for role, mine in seen.items()}))
         self.out.write_text(json.dumps(samples))
 
 

@@ -70,3 +70,30 @@ def test_report_only_prints_the_prediction_with_and_without_the_reply_work_and_a
     more = b.with_reply(prof, 0.004, 0.5)  # calibration adds to what the profile holds
     assert more.server_s_per_group == pytest.approx(0.004) and more.actor_s_per_group == pytest.approx(0.002)
     assert more.actor_s_per_token == pytest.approx(1e-5)
+
+
+def test_role_cpu_samples_the_roles_and_counts_cpu_per_step(tmp_path):
+    import subprocess
+    import sys
+
+    b = load("plan_check")
+    run = tmp_path / "sync-4-sync-0"
+    run.mkdir()
+    metrics = run / "metrics.jsonl"
+    # a "trainer" that works 1 s of CPU, in a process of its own as a role is
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                                                   "while time.process_time() - t < 1.0: pass\ntime.sleep(0.5)"])
+    metrics.write_text(json.dumps({"event": "roles_started", "pids": {"trainer": busy.pid}}) + "\n")
+    sampler = b.RoleCpu(metrics, tmp_path / "sync-4-sync-0.cpu.json", every_s=0.05)
+    sampler.start()
+    busy.wait()
+    sampler.done.set()
+    sampler.join()
+    samples = json.loads((tmp_path / "sync-4-sync-0.cpu.json").read_text())
+    assert 0.6 <= samples[-1][1]["trainer"] - samples[0][1]["trainer"] <= 1.1  # and kept after it exited
+    # 5 steps 0.5 s apart; two samples inside the span after step 1, 1.0 s apart, 0.4 CPU s: 2 steps/s -> 0.2 s/step
+    steps = [{"event": "train_step", "time": 100.0 + 0.5 * i} for i in range(5)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "sync-4-sync-0.cpu.json").write_text(json.dumps(
+        [[99.9, {"trainer": 0.0}], [100.6, {"trainer": 1.0}], [101.6, {"trainer": 1.4}], [103.0, {"trainer": 9.0}]]))
+    assert b.role_cpu(run, skip=1) == {"trainer": pytest.approx(0.2)}
