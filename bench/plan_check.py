@@ -225,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.report_only and not (run_dir / "summary.json").exists():
                 from pipeline import run_once  # bench/pipeline.py: one `inflight train` subprocess
 
-                before = out / f"{run_dir.name}.speed-before.json"
                 if args.speed_index:
-                    _ = shutil.copy(previous, before) if previous else speed_index(config, args.profile, before)
+                    before = out / f"{run_dir.name}.speed-before.json"
+                    if previous:
+                        shutil.copy(previous, before)
+                    else:
+                        speed_index(config, args.profile, before)
                 sampler = RoleCpu(run_dir / "metrics.jsonl", out / f"{run_dir.name}.cpu.json")
                 sampler.start()
                 run_once(config, name, mode, rep, out, 3.0, args.steps, CASES[name] + COMMON)

@@ -12,14 +12,15 @@ What it models, as the code does:
   the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
 - a group's requests stop their server `server_s_per_request` at the next step boundary after they arrive (parsing,
   before a weight update that arrives after them); a finished group stops it `server_s_per_group` +
-  `server_s_per_token` x its completion tokens (the reply), then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work, then reaches the
-  trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
+  `server_s_per_token` x its completion tokens (the reply), then costs the actor `actor_s_per_group` +
+  `actor_s_per_token` x tokens of serial work, then reaches the trainer `overhead_s` later, which spends
+  `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of the
   tokens its forward runs over, the prompt once and every completion, at the profile's rate per such token for T
-  devices: TrainerProfile.forward_tokens_per_s_at, scaled by the group's mean length: length_factor), waits for the previous push, then the optimizer step
-  (step_overhead_s); the version is published at once when gated, else when the push has reached every server;
-  pipelined: a push after every step; sync: the round's first step waits for all of its num_grad_steps x
-  groups_per_step groups, and the push follows the round's last step.
+  devices: TrainerProfile.forward_tokens_per_s_at, scaled by the group's mean length: length_factor), waits for
+  the previous push, then the optimizer step (step_overhead_s); the version is published at once when gated, else
+  when the push has reached every server; pipelined: a push after every step; sync: the round's first step waits
+  for all of its num_grad_steps x groups_per_step groups, and the push follows the round's last step.
 Not modelled: CPU cores shared between roles, evaluation requests, failures, the actor's HTTP concurrency.
 """
 
