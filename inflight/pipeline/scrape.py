@@ -53,6 +53,10 @@ class ServerScraper:
                 "generated_tokens_total": m.get("inflight_generated_tokens_total"),
                 "paused_seconds_total": m.get("inflight_paused_seconds_total"),
                 "weight_updates_total": m.get("inflight_weight_updates_total"),
+                # the built-in engine's: steps run and prompt tokens prefilled (what a run's server really did,
+                # beside what bench/plan_check.py's simulator charges it)
+                "engine_steps_total": m.get("inflight_engine_steps_total"),
+                "prefill_tokens_total": m.get("inflight_prefill_tokens_total"),
             }
             if k in self._last:
                 t_prev, prev = self._last[k]
