@@ -60,16 +60,18 @@ class RoleCpu(threading.Thread):
     def run(self) -> None:
         from inflight.plan.reply import children_of, thread_cpu_s
 
-        pids, samples = None, []
+        pids, samples, procs = None, [], {}
         seen: dict[str, dict[int, float]] = {}  # role -> pid -> its CPU seconds when last seen alive
         while not self.done.wait(self.every_s):
             if pids is None and self.metrics.exists():
                 pids = next((json.loads(line)["pids"] for line in self.metrics.read_text().splitlines()
                              if '"roles_started"' in line), None)
             if pids:
-                for role, pid in pids.items():  # a child that exits keeps its last reading: the sum never falls
+                if len(samples) % 8 == 0:  # the children, from a scan of all of /proc: every 8th sample only
+                    procs = {role: [pid, *children_of(pid)] for role, pid in pids.items()}
+                for role, mine_pids in procs.items():  # a child that exits keeps its last reading: sums never fall
                     mine = seen.setdefault(role, {})
-                    for p in [pid, *children_of(pid)]:
+                    for p in mine_pids:
                         mine[p] = max(mine.get(p, 0.0), thread_cpu_s(p))
                 samples.append((time.time(), {role: sum(mine.values()) for role, mine in seen.items()}))
         self.out.write_text(json.dumps(samples))

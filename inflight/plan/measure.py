@@ -185,7 +185,6 @@ def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 
         trainer.optimizer_step()
         return t1 - t0, time.perf_counter() - t1
 
-    step.trainer = trainer  # type: ignore[attr-defined]
     return step, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
 
 
@@ -194,9 +193,13 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
     """Forward + backward tokens/s and the optimizer step's seconds (trainer_bench), medians of `steps` after a
     warm-up; and how the cost per token grows with the completion's length (`length_slope`): the same step with
     completions half as long, timed in turn with it. `cfg`: TrainerConfig."""
-    step, tokens = trainer_bench(model_path, cfg, group_size, groups, prompt, completion)
+    from inflight.trainer.factory import make_trainer
+
+    trainer = make_trainer(model_path, cfg)
+    trainer.init()
+    step, tokens = trainer_bench(model_path, cfg, group_size, groups, prompt, completion, trainer=trainer)
     short = max(1, completion // 2)
-    step2, tokens2 = trainer_bench(model_path, cfg, group_size, groups, prompt, short, trainer=step.trainer)
+    step2, _ = trainer_bench(model_path, cfg, group_size, groups, prompt, short, trainer=trainer)
     step(), step2()  # warm-up
     back, opt, back2 = [], [], []
     for _ in range(steps):

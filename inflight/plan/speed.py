@@ -53,9 +53,7 @@ def measure_index(cfg, profile: Profile, steps: int = 4, repeats: int = 3) -> di
 
 def ratios(profile: Profile, indexes: list[dict]) -> tuple[float, float]:
     """(trainer, engine): how many times faster each ran at the indexes (their geometric mean) than in the profile."""
-    def gmean(vals: list[float]) -> float:
-        return statistics.geometric_mean(vals)
-
+    gmean = statistics.geometric_mean
     trainer = gmean([i["trainer_tokens_per_s"] for i in indexes]) / profile.trainer.tokens_per_s
     step = profile.engine.decode.step_time(indexes[0]["batch"], indexes[0]["context"])
     engine = step / gmean([i["decode_step_s"] for i in indexes])
