@@ -49,8 +49,9 @@ def speed_index(config: Path, profile: str, path: Path) -> Path:
 
 
 class RoleCpu(threading.Thread):
-    """Samples each role's CPU seconds during a run (its process and its children: the actor's reward workers), for
-    the pids the launcher logs (`roles_started`): what each role really spent, beside what the simulator charges."""
+    """Samples each role's CPU seconds, and its seconds runnable but waiting for a core, during a run (its process
+    and its children: the actor's reward workers), for the pids the launcher logs (`roles_started`): what each role
+    really spent and how long it queued for the 2 cores, beside what the simulator charges it."""
 
     def __init__(self, metrics: Path, out: Path, every_s: float = 0.25):
         super().__init__(daemon=True)
@@ -58,10 +59,10 @@ class RoleCpu(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from inflight.plan.reply import children_of, thread_cpu_s
+        from inflight.plan.reply import children_of, schedstat_s
 
         pids, samples, procs = None, [], {}
-        seen: dict[str, dict[int, float]] = {}  # role -> pid -> its CPU seconds when last seen alive
+        seen: dict[str, dict[int, tuple[float, float]]] = {}  # role -> pid -> (CPU, wait) when last seen alive
         while not self.done.wait(self.every_s):
             if pids is None and self.metrics.exists():
                 pids = next((json.loads(line)["pids"] for line in self.metrics.read_text().splitlines()
@@ -72,26 +73,31 @@ class RoleCpu(threading.Thread):
                 for role, mine_pids in procs.items():  # a child that exits keeps its last reading: sums never fall
                     mine = seen.setdefault(role, {})
                     for p in mine_pids:
-                        mine[p] = max(mine.get(p, 0.0), thread_cpu_s(p))
-                samples.append((time.time(), {role: sum(mine.values()) for role, mine in seen.items()}))
+                        now, last = schedstat_s(p), mine.get(p, (0.0, 0.0))
+                        mine[p] = (max(now[0], last[0]), max(now[1], last[1]))
+                samples.append((time.time(), {role: sum(v[0] for v in mine.values()) for role, mine in seen.items()},
+                                {role: sum(v[1] for v in mine.values()) for role, mine in seen.items()}))
         self.out.write_text(json.dumps(samples))
 
 
 def role_cpu(run_dir: Path, skip: int) -> dict[str, float]:
-    """CPU seconds per optimizer step of each role between the end of step `skip` and the last step (RoleCpu's
-    samples nearest inside that span); {} when the run was not sampled."""
+    """CPU seconds per optimizer step of each role, and (`<role> wait`) seconds it waited for a core, between the
+    end of step `skip` and the last step (RoleCpu's samples nearest inside that span); {} when not sampled."""
     path = run_dir.parent / f"{run_dir.name}.cpu.json"
     if not path.exists():
         return {}
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"train_step"' in line]
     t_a, t_b = steps[max(1, skip) - 1]["time"], steps[-1]["time"]
-    inside = [(t, c) for t, c in json.loads(path.read_text()) if t_a <= t <= t_b]
+    inside = [(t, *c) for t, *c in json.loads(path.read_text()) if t_a <= t <= t_b]
     if len(inside) < 2:
         return {}
-    (ta, ca), (tb, cb) = inside[0], inside[-1]
+    a, b = inside[0], inside[-1]
     per_s = (len(steps) - max(1, skip)) / (t_b - t_a)  # steps per second over the span
-    return {role: (cb[role] - ca[role]) / (tb - ta) / per_s for role in cb if role in ca}
+    out = {role: (b[1][role] - a[1][role]) / (b[0] - a[0]) / per_s for role in b[1] if role in a[1]}
+    if len(b) > 2:  # sampled with the wait (earlier runs: CPU only)
+        out.update({f"{role} wait": (b[2][role] - a[2][role]) / (b[0] - a[0]) / per_s for role in b[2] if role in a[2]})
+    return out
 
 
 def read(run_dir: Path, skip: int) -> dict:
@@ -166,22 +172,28 @@ def summary(repeats: int, pairs: dict[str, list[tuple[dict, dict]]]) -> None:
     med = statistics.median
     print(f"\nOver {repeats} runs per case (each predicted from its own workload): medians (min-max)\n")
     print("| case | measured samples/s | predicted | pred/meas | lag TV distance | trainer s/step pred/meas | "
-          "CPU ms/step measured (server, trainer, actor + rewards) | simulated busy ms/step (server, trainer) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "CPU ms/step measured (server, trainer, actor + rewards) | simulated busy ms/step (server, trainer) | "
+          "waiting for a core ms/step measured (server, trainer, actor) | simulated slowdown (server, trainer) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, ps in pairs.items():
         meas = [r["samples_per_s"] for r, _ in ps]
         ratio = [p["samples_per_s"] / r["samples_per_s"] for r, p in ps]
         dist = [tv(r["lag"], p["lag"]) for r, p in ps]
         train = [p["trainer_step_s"] / (r["trainer_busy"] * r["step_s"]) for r, p in ps]
         cpus = [r["cpu"] for r, _ in ps if r.get("cpu")]
-        cpu = ", ".join(f"{med(c[k] for c in cpus) * 1e3:.0f}" for k in ("server0", "trainer", "actor")
-                        if all(k in c for c in cpus)) if cpus else "not sampled"
+        def ms(suffix: str) -> str:
+            keys = [k + suffix for k in ("server0", "trainer", "actor")]
+            return ", ".join(f"{med(c[k] for c in cpus) * 1e3:.0f}" for k in keys if all(k in c for c in cpus))
+        cpu = ms("") if cpus else "not sampled"
+        wait = (ms(" wait") if cpus else "") or "not sampled"
+        slow = ", ".join(f"{med(p['slowdown'][k] for _, p in ps):.2f}" for k in ("server", "trainer")) \
+            if all(p.get("slowdown") for _, p in ps) else "none"
         busy = (f"{med(p['server_busy'] * p['step_s'] for _, p in ps) * 1e3:.0f}, "
                 f"{med(p['trainer_step_s'] for _, p in ps) * 1e3:.0f}")
         print(f"| {name} | {med(meas):.0f} ({min(meas):.0f}-{max(meas):.0f}) | "
               f"{med(p['samples_per_s'] for _, p in ps):.0f} | {med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
               f"{med(dist):.3f} ({max(dist):.3f}) | {med(train):.2f} ({min(train):.2f}-{max(train):.2f}) | {cpu} | "
-              f"{busy} |")
+              f"{busy} | {wait} | {slow} |")
 
 
 def tv(p: dict[int, int], q: dict[int, int]) -> float:
@@ -289,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         rows0 = [(n, r, pred(bare, n)) for n, r in reals.items()]
         table(f"PREDICTED from the same profile without its reply work (server, actor, stream read: 0){shared}", rows0)
         results["no_reply"] = rows0
+    if profile.engine.run_step_factor != 1.0:  # what the profile predicts with its engine's steps as plain ones
+        e = profile.engine
+        plain = profile.model_copy(update={"engine": e.model_copy(update={"run_step_factor": 1.0})})
+        table(f"PREDICTED from the same profile with plain decode steps (run_step_factor 1, not "
+              f"{e.run_step_factor:.3f}){shared}", [(n, r, pred(plain, n)) for n, r in reals.items()])
+        if args.repeats > 1:
+            summary(args.repeats, {n: [(r, pred(plain, n, r)) for r in rs] for n, rs in reps.items()})
     if args.calibrate:  # fit c on the first run for each server share; keep the share that predicts the second
         first, second = args.calibrate.split(",")
         fits = []

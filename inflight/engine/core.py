@@ -118,6 +118,9 @@ class InferenceEngine:
         self._in_pause = False
         self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0,
                         prefix_reused_tokens_total=0)
+        # set to a list to record every step as (decodes, their summed context, prefill tokens, seconds): the
+        # profiler's view of a step under real traffic (inflight/plan/traffic.py)
+        self.step_trace: list[tuple[int, int, int, float]] | None = None
 
     # ---------------------------------------------------------------- public API (any thread / asyncio loop)
     def start(self) -> None:
@@ -388,6 +391,7 @@ class InferenceEngine:
         self._running = [s for s in self._running if not s.done]
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         budget = self.max_tokens_per_step
         chunks, want, seqs = [], [], []
         decodes = [s for s in self._running if s.active and s.num_cached > 0 and len(s.tokens) - s.num_cached == 1]
@@ -396,7 +400,8 @@ class InferenceEngine:
             want.append(True)
             seqs.append(s)
             self._st["prefill_tokens_total"] += s.n_gen == 0  # a reused prefix's last prompt token
-        budget -= len(seqs)
+        nd = len(seqs)
+        budget -= nd
         for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
             pending = len(s.tokens) - s.num_cached
             if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
@@ -410,6 +415,12 @@ class InferenceEngine:
                 self._st["prefill_tokens_total"] += c
         if not chunks:
             return
+        self._forward_and_sample(chunks, want, seqs)
+        if self.step_trace is not None:
+            ctx = sum(start + 1 for _, start, _ in chunks[:nd])
+            self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
+
+    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq]) -> None:
         plan = StepPlan.build(chunks, want, self.device)
         logits = self.runner.forward(plan)
         version = self.version

@@ -79,6 +79,9 @@ class EngineProfile(_Strict):
     max_model_len: int = Field(0, ge=0)  # the KV cache's length per sequence it was measured with (0: not recorded)
     decode: DecodeCurve
     prefill_tokens_per_s: float = Field(gt=0)
+    # a run's engine step (groups joining a running batch, sequences stopping at their own lengths) over a plain
+    # decode step of the same batch and context, prefill included (traffic.py); 1: not measured
+    run_step_factor: float = Field(1.0, gt=0)
 
 
 class TrainerProfile(_Strict):

@@ -1,10 +1,11 @@
 """`inflight profile CONFIG.yaml [key=value ...] --out PROFILE.json`: measure this machine for `inflight plan`.
 
 Measures, with the config's model and thread settings: the built-in engine's decode step time over --batches and
---contexts and its prefill tokens/s, the pause of a weight swap, the push, the per-group reply work (server reply,
-actor, stream read: inflight/plan/reply.py), and the trainer's tokens/s and optimizer step; or,
-with --server URL, the step-time curve of that running server (vLLM, SGLang, inflight serve) over HTTP, with the
-trainer measured here unless --no-trainer. The JSON says where and when it was measured.
+--contexts and its prefill tokens/s, how much more a step costs under the config's traffic (traffic.py), the pause
+of a weight swap, the push, the per-group reply work (server reply, actor, stream read: inflight/plan/reply.py),
+and the trainer's tokens/s and optimizer step; or, with --server URL, the step-time curve of that running server
+(vLLM, SGLang, inflight serve) over HTTP, with the trainer measured here unless --no-trainer. The JSON says where
+and when it was measured.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-corun", action="store_true",
                         help="do not measure how much the trainer and a server slow each other computing at once on "
                              "this machine (corun.py; measured by default with the built-in engine)")
+    parser.add_argument("--no-traffic", action="store_true",
+                        help="do not time the engine's steps under the config's traffic (groups joining a running "
+                             "batch, real stops) against plain decode steps (traffic.py; measured by default with "
+                             "the built-in engine)")
     parser.add_argument("--prompt-tokens", type=int, default=8, help="trainer measurement: prompt tokens per group")
     parser.add_argument("--completion-tokens", type=int, default=12, help="trainer measurement: tokens per completion")
 
@@ -90,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
                                                max_model_len=cfg.server.max_model_len)
     print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
+    if not (args.server or args.no_traffic):
+        from inflight.plan.traffic import measure_run_step_factor
+
+        engine.run_step_factor, d = measure_run_step_factor(cfg, engine)
+        print(f"engine under the config's traffic: steps {engine.run_step_factor:.2f}x plain decode steps at batch "
+              f"{d['batch']:.0f}, context {d['context']:.0f} ({d['prefill_share']:.0%} of tokens prefill)")
     push = args.push_s
     if push is None and not args.server and cfg.trainer.protocol == "inflight":
         push, pause = measure.measure_push(cfg)

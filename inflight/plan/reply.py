@@ -33,15 +33,22 @@ from typing import Any
 
 def thread_cpu_s(pid: int, tid: int | None = None) -> float:
     """CPU seconds of one thread (tid) or of every thread of a process, from /proc (0.0 when it has exited)."""
+    return schedstat_s(pid, tid)[0]
+
+
+def schedstat_s(pid: int, tid: int | None = None) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of one thread (tid) or of every thread of a process,
+    from /proc/<pid>/task/<tid>/schedstat ((0.0, 0.0) when it has exited)."""
     tasks = [str(tid)] if tid is not None else _listdir(f"/proc/{pid}/task")
-    total = 0
+    cpu = wait = 0
     for t in tasks:
         try:
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
+            cpu, wait = cpu + int(fields[0]), wait + int(fields[1])
         except (OSError, ValueError, IndexError):
             continue
-    return total / 1e9
+    return cpu / 1e9, wait / 1e9
 
 
 def _listdir(path: str) -> list[str]:

@@ -8,8 +8,9 @@ What it models, as the code does:
   `concurrency_per_server` requests per server, each to the server with the fewest outstanding; a gated request
   carries min_weight_version = k // groups_per_step - max_lag and the server holds it until it has that version;
 - a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
-  t(b, c), newly admitted prompts cost prompt tokens / prefill tokens/s before the step; an update is swapped in at
-  the next step boundary (pause_s); in `interrupt` mode the running sequences are re-prefilled (prompt + generated);
+  t(b, c) x run_step_factor, newly admitted prompts cost prompt tokens / prefill tokens/s (likewise scaled) before
+  the step; an update is swapped in at the next step boundary (pause_s); in `interrupt` mode the running sequences
+  are re-prefilled (prompt + generated);
 - a group's requests stop their server `server_s_per_request` at the next step boundary after they arrive (parsing,
   before a weight update that arrives after them); a finished group stops it `server_s_per_group` +
   `server_s_per_token` x its completion tokens (the reply), then costs the actor `actor_s_per_group` +
@@ -141,7 +142,9 @@ class Simulator:
         self.occupancy: dict[tuple[int, int, int], float] = {}
         # per token the trainer computes: a group's prompt once (trainer/prefix.py), then its completions
         self.tok_s = profile.trainer.forward_tokens_per_s_at(cfg.trainer_devices, cfg.group_size)
-        self.prefill = profile.engine.prefill_tokens_per_s
+        # a run's steps cost run_step_factor x plain ones (traffic.py): its decode and prefill alike
+        self.step_factor = profile.engine.run_step_factor
+        self.prefill = profile.engine.prefill_tokens_per_s / self.step_factor
 
     # -- the event queue ----------------------------------------------------------------------------------------
     def _at(self, t: float, kind: str, obj: object = None) -> None:
@@ -262,7 +265,7 @@ class Simulator:
         b = len(srv.heap)
         n = srv.heap[0][0] - srv.counter
         ctx = srv.context_sum() / b + n / 2
-        dt = self.p.engine.decode.step_time(b, ctx)
+        dt = self.p.engine.decode.step_time(b, ctx) * self.step_factor
         start = t + prefill_tokens / self.prefill
         srv.cid += 1
         srv.chunk = (srv.cid, t, start, dt, n, b)

@@ -80,20 +80,30 @@ def test_role_cpu_samples_the_roles_and_counts_cpu_per_step(tmp_path):
     run = tmp_path / "sync-4-sync-0"
     run.mkdir()
     metrics = run / "metrics.jsonl"
-    # a "trainer" that works 1 s of CPU, in a process of its own as a role is
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                                                   "while time.process_time() - t < 1.0: pass\ntime.sleep(0.5)"])
-    metrics.write_text(json.dumps({"event": "roles_started", "pids": {"trainer": busy.pid}}) + "\n")
+    # a "trainer" and an "actor" that each work 0.5 s of CPU, in processes of their own as roles are, both pinned to
+    # one core: each waits for it while the other runs
+    code = ("import os, time\nos.sched_setaffinity(0, {0})\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.5: pass\ntime.sleep(0.5)")
+    busy = {role: subprocess.Popen([sys.executable, "-c", code]) for role in ("trainer", "actor")}
+    metrics.write_text(json.dumps({"event": "roles_started", "pids": {r: p.pid for r, p in busy.items()}}) + "\n")
     sampler = b.RoleCpu(metrics, tmp_path / "sync-4-sync-0.cpu.json", every_s=0.05)
     sampler.start()
-    busy.wait()
+    for p in busy.values():
+        p.wait()
     sampler.done.set()
     sampler.join()
     samples = json.loads((tmp_path / "sync-4-sync-0.cpu.json").read_text())
-    assert 0.6 <= samples[-1][1]["trainer"] - samples[0][1]["trainer"] <= 1.1  # and kept after it exited
+    for role in busy:  # and kept after it exited
+        assert 0.3 <= samples[-1][1][role] - samples[0][1][role] <= 0.6
+        assert 0.15 <= samples[-1][2][role] - samples[0][2][role] <= 0.8  # queued behind the other
     # 5 steps 0.5 s apart; two samples inside the span after step 1, 1.0 s apart, 0.4 CPU s: 2 steps/s -> 0.2 s/step
     steps = [{"event": "train_step", "time": 100.0 + 0.5 * i} for i in range(5)]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (tmp_path / "sync-4-sync-0.cpu.json").write_text(json.dumps(
+        [[99.9, {"trainer": 0.0}, {"trainer": 0.0}], [100.6, {"trainer": 1.0}, {"trainer": 0.5}],
+         [101.6, {"trainer": 1.4}, {"trainer": 0.6}], [103.0, {"trainer": 9.0}, {"trainer": 9.0}]]))
+    assert b.role_cpu(run, skip=1) == {"trainer": pytest.approx(0.2), "trainer wait": pytest.approx(0.05)}
+    # samples written before the wait was recorded: CPU only
     (tmp_path / "sync-4-sync-0.cpu.json").write_text(json.dumps(
         [[99.9, {"trainer": 0.0}], [100.6, {"trainer": 1.0}], [101.6, {"trainer": 1.4}], [103.0, {"trainer": 9.0}]]))
     assert b.role_cpu(run, skip=1) == {"trainer": pytest.approx(0.2)}

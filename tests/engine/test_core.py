@@ -543,3 +543,17 @@ def test_interrupt_lands_with_admission_and_mid_chunked_prefill(tiny_model_dir):
         for t, e in enumerate(evs):
             want = ref_logprobs(refs[e.version], prompt, toks[: t + 1])[-1].item()
             assert abs(e.logprob - want) < TOL, (t, e.version, e.logprob, want)
+
+
+def test_step_trace_records_each_steps_decodes_context_and_prefill(tiny_model_dir):
+    """The profiler's view of a step (plan/traffic.py): one request, n=2, 6-token prompt, 4 tokens each."""
+    eng = fresh_engine(tiny_model_dir)
+    try:
+        eng.step_trace = []
+        asyncio.run(collect(eng, "t", [5, 6, 7, 8, 9, 10], SamplingParams(n=2, max_tokens=4, ignore_eos=True)))
+        trace, eng.step_trace = eng.step_trace, None
+    finally:
+        eng.stop()
+    # the prompt prefilled once (both choices sample from it), then 3 steps of 2 decodes at lengths 7, 8, 9
+    assert [t[:3] for t in trace] == [(0, 0, 6), (2, 14, 0), (2, 16, 0), (2, 18, 0)]
+    assert all(0 < t[3] < 5.0 for t in trace)

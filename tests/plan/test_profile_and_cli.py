@@ -111,7 +111,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     out = tmp_path / "prof.json"
     code = main(["profile", str(REPO / "configs" / "cpu-demo.yaml"), f"model.path={model}", "actor.groups_per_step=2",
-                 "--out", str(out), "--batches", "1,16", "--contexts", "24"])
+                 "server.max_batch=32", "--out", str(out), "--batches", "1,16", "--contexts", "24"])
     assert code == 0
     p = Profile.load(out)
     assert p.engine.decode.batches == [1, 16] and p.engine.decode.contexts == [24]
@@ -119,6 +119,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     step1, step16 = p.engine.decode.step_s[0]
     assert 0 < step1 < 1.0 and 0 < step16 < 1.0
     assert p.engine.prefill_tokens_per_s > 0 and p.trainer.tokens_per_s > 0 and p.pause_s > 0
+    assert 0.5 < p.engine.run_step_factor < 3.0  # timed under the config's traffic against plain steps (traffic.py)
     # the shape the trainer was timed on (defaults: 8-token prompts, 12-token completions, the config's groups of 8)
     t = p.trainer
     assert (t.prompt_tokens, t.completion_tokens, t.group_size) == (8, 12, 8)
