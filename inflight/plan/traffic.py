@@ -40,7 +40,8 @@ def _measured_s(trace: list[tuple[int, int, int, float]]) -> float:
 def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, groups_per_round: int = 0,
                             ) -> tuple[float, dict[str, float]]:
     """(factor, details): see the module docstring. `cfg`: RunConfig (model, task, server threads and sizes, the
-    actor's group size, max_new_tokens and temperature). Each round runs `groups_per_round` groups and a plain batch."""
+    actor's group size, max_new_tokens and temperature). Each round runs `groups_per_round` groups (default: enough
+    for a few hundred steady steps) and a plain batch."""
     import torch
 
     from inflight.engine.core import InferenceEngine
@@ -68,8 +69,8 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
         async for _ in eng.generate(f"t{next(ids)}", p, sp, stream=False):
             pass
 
-    def run_round() -> tuple[list, float]:
-        """The closed loop; the trace of its steady part (batch full, nothing draining) and its mean context."""
+    def run_round() -> list:
+        """The closed loop; the trace of its steady part (the first wave over, nothing draining yet)."""
         sp = SamplingParams(max_tokens=act.max_new_tokens, temperature=act.temperature, n=G)
         state = {"done": 0, "started": 0}
         steady: list = []
@@ -118,7 +119,8 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
             run = run_round()
             if not run:
                 raise RuntimeError("traffic: no steady steps (too few groups per round for the batch)")
-            batch = max(1, round(sum(s[0] for s in run) / len(run)))
+            decodes = [s for s in run if s[0]]
+            batch = max(1, round(sum(s[0] for s in decodes) / max(1, len(decodes))))
             context = max(2, round(sum(s[1] for s in run) / max(1, sum(s[0] for s in run))))
             plain = plain_round(batch, context)
             r_run, r_plain = _measured_s(run) / _curve_s(profile, run), _measured_s(plain) / _curve_s(profile, plain)
@@ -126,8 +128,7 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
             runs.append(r_run), plains.append(r_plain)
     finally:
         eng.stop()
-    steps = sum(1 for s in run if s[0])
-    details = {"batch": batch, "context": context, "steps": steps, "run_over_curve": statistics.median(runs),
+    details = {"batch": batch, "context": context, "steps": len(decodes), "run_over_curve": statistics.median(runs),
                "plain_over_curve": statistics.median(plains),
                "prefill_share": sum(s[2] for s in run) / max(1, sum(s[0] + s[2] for s in run))}
     return statistics.median(ratios), details
