@@ -73,6 +73,7 @@ def test_report_only_prints_the_prediction_with_and_without_the_reply_work_and_a
 
 
 def test_role_cpu_samples_the_roles_and_counts_cpu_per_step(tmp_path):
+    import os
     import subprocess
     import sys
 
@@ -82,7 +83,8 @@ def test_role_cpu_samples_the_roles_and_counts_cpu_per_step(tmp_path):
     metrics = run / "metrics.jsonl"
     # a "trainer" and an "actor" that each work 0.5 s of CPU, in processes of their own as roles are, both pinned to
     # one core: each waits for it while the other runs
-    code = ("import os, time\nos.sched_setaffinity(0, {0})\nt = time.process_time()\n"
+    core = min(os.sched_getaffinity(0))  # one this process may use (a container's cpuset need not hold core 0)
+    code = (f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nt = time.process_time()\n"
             "while time.process_time() - t < 0.5: pass\ntime.sleep(0.5)")
     busy = {role: subprocess.Popen([sys.executable, "-c", code]) for role in ("trainer", "actor")}
     metrics.write_text(json.dumps({"event": "roles_started", "pids": {r: p.pid for r, p in busy.items()}}) + "\n")
