@@ -3,8 +3,9 @@ roles on their own GPUs do not. A profile measured with each role alone (`inflig
 a pipeline whenever the roles overlap in time.
 
 Model (processor sharing): while the busy roles want D threads on C cores and D > C, each runs at C / D of its own
-speed. The simulator records how long each combination of busy roles lasted (Simulator.occupancy); each role's
-slowdown is the time-weighted mean of max(1, D / C) over the time it was busy, times the profile's measured co-run
+speed. The simulator records how long each combination of busy threads lasted (Simulator.occupancy: the trainer's,
+each server's engine thread and its HTTP thread, the actor); each role's slowdown is the time-weighted mean of
+max(1, D / C) over the time it was busy (a server: either of its threads), times the profile's measured co-run
 factor (`trainer_corun` / `server_corun`, corun.py: shared cache and memory bandwidth) over the time the trainer and
 a server computed together; the profile's figures are divided by
 those slowdowns and the loop simulated again, until the slowdowns settle (a fixed point, damped). Overlap is thus
@@ -38,19 +39,20 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
         "trainer_s_per_token": profile.trainer_s_per_token * trainer})
 
 
-def slowdowns(occupancy: dict[tuple[int, int, int], float], cores: float, trainer_threads: float = 1.0,
+def slowdowns(occupancy: dict[tuple[int, int, int, int], float], cores: float, trainer_threads: float = 1.0,
               server_threads: float = 1.0, actor_threads: float = 1.0,
               corun: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float, float]:
-    """(trainer, server, actor) slowdowns from the time spent in each (trainer, servers, actor) busy state; `corun`:
-    the (trainer, server) factors while both compute (Profile.trainer_corun, server_corun)."""
+    """(trainer, server, actor) slowdowns from the time spent in each (trainer, engines, HTTP threads, actor) busy
+    state; `server_threads`: each engine's compute threads; `corun`: the (trainer, server) factors while the trainer
+    and an engine both compute (Profile.trainer_corun, server_corun)."""
     out = []
     for role in range(3):
         num = den = 0.0
-        for (t, s, a), dt in occupancy.items():
-            if (t, s, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
+        for (t, e, h, a), dt in occupancy.items():
+            if (t, e + h, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
                 continue
-            demand = t * trainer_threads + s * server_threads + a * actor_threads
-            both = corun[role] if role < 2 and t and s else 1.0
+            demand = t * trainer_threads + e * server_threads + h + a * actor_threads
+            both = corun[role] if role < 2 and t and e else 1.0
             num += dt * max(1.0, demand / cores) * both
             den += dt
         out.append(num / den if den else 1.0)

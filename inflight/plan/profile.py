@@ -137,13 +137,16 @@ class Profile(_Strict):
     # per group: seconds of the actor's own serial work (reply decoding, reward scoring, stream put), one group at a
     # time; negligible on GPU clusters, not on 2 shared CPU cores
     actor_s_per_group: float = Field(0.0, ge=0)
-    # per group: seconds its server stops decoding to answer it (building the reply with token ids and logprobs on
-    # the server's own process: the built-in engine's thread shares the interpreter with its HTTP server)
+    # per group: seconds of its server's HTTP work to answer it (building the reply with token ids and logprobs, on
+    # the server's HTTP thread: the built-in engine's thread shares the interpreter with it, server_http_stall)
     server_s_per_group: float = Field(0.0, ge=0)
     # the reply work's share that grows with the group's completion tokens (logprob lists, detokenising, JSON)
     server_s_per_token: float = Field(0.0, ge=0)
-    # per group: seconds its requests stop the server when they arrive (HTTP, parsing, the chat prompt, submission)
+    # per group: seconds of the server's HTTP work when its requests arrive (parsing, the chat prompt, submission)
     server_s_per_request: float = Field(0.0, ge=0)
+    # the server's HTTP work (server_s_per_*) runs on its own thread beside the engine's: seconds the engine thread
+    # loses per second of it (the interpreter lock the two share; reply.py measures it). 1: decoding stops meanwhile
+    server_http_stall: float = Field(1.0, ge=0)
     actor_s_per_token: float = Field(0.0, ge=0)
     # per group on the trainer, besides back-propagating it: reading it from the stream and decoding it (every
     # group, trained samples or not)
@@ -156,7 +159,7 @@ class Profile(_Strict):
     server_corun: float = Field(1.0, ge=1)
 
     def server_reply_s(self, completion_tokens: int) -> float:
-        """Seconds a group of `completion_tokens` stops its server (the reply)."""
+        """Seconds of HTTP work a group of `completion_tokens` costs its server (the reply)."""
         return self.server_s_per_group + self.server_s_per_token * completion_tokens
 
     def actor_reply_s(self, completion_tokens: int) -> float:

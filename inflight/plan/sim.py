@@ -11,18 +11,22 @@ What it models, as the code does:
   t(b, c) x run_step_factor, newly admitted prompts cost prompt tokens / prefill tokens/s (likewise scaled) before
   the step; an update is swapped in at the next step boundary (pause_s); in `interrupt` mode the running sequences
   are re-prefilled (prompt + generated);
-- a group's requests stop their server `server_s_per_request` at the next step boundary after they arrive (parsing,
-  before a weight update that arrives after them); a finished group stops it `server_s_per_group` +
-  `server_s_per_token` x its completion tokens (the reply), then costs the actor `actor_s_per_group` +
-  `actor_s_per_token` x tokens of serial work, then reaches the trainer `overhead_s` later, which spends
-  `trainer_s_per_group` + `trainer_s_per_token` x tokens reading it;
+- a server is two threads: the engine's, and an HTTP thread that works through its queue one item at a time: a
+  group's requests (`server_s_per_request`: the group joins the batch's queue once they are parsed), a finished
+  group's reply (`server_s_per_group` + `server_s_per_token` x its completion tokens), a weight update's request
+  (which thus waits behind the requests that came before it). The engine thread loses `server_http_stall` x that
+  work (the interpreter lock): at the next step boundary for requests that arrive while it runs, at once for
+  replies. A reply then costs the actor `actor_s_per_group` + `actor_s_per_token` x tokens of serial work and
+  reaches the trainer `overhead_s` later, which spends `trainer_s_per_group` + `trainer_s_per_token` x tokens
+  reading it;
 - the trainer takes the step's groups in start order and back-propagates each as it arrives (trained_frac of the
   tokens its forward runs over, the prompt once and every completion, at the profile's rate per such token for T
   devices: TrainerProfile.forward_tokens_per_s_at, scaled by the group's mean length: length_factor), waits for
   the previous push, then the optimizer step (step_overhead_s); the version is published at once when gated, else
   when the push has reached every server; pipelined: a push after every step; sync: the round's first step waits
   for all of its num_grad_steps x groups_per_step groups, and the push follows the round's last step.
-Not modelled: CPU cores shared between roles, evaluation requests, failures, the actor's HTTP concurrency.
+Not modelled: CPU cores shared between roles (contention.py: from the busy threads this records), evaluation
+requests, failures, the actor's HTTP concurrency.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ class _Server:
         self.ctx_base = 0  # sum over running sequences of (prompt - start counter); + b * counter = total context
         self.waiting: deque[_Group] = deque()
         self.pending: int | None = None  # a version that arrived and waits for the next step boundary
-        self.requests_s = 0.0  # arrived requests' work not yet done (its HTTP thread: done at the next boundary)
+        self.http_free = 0.0  # when its HTTP thread is next free (busy while > now: its work queues back to back)
+        self.stall_s = 0.0  # seconds the engine thread owes the HTTP thread's work, paid at the next step boundary
+        self.stalled = False  # paused only for that: the engine thread waits on the lock, it computes nothing
         self.chunk: tuple[int, float, float, float, int, int] | None = None  # (id, t0, steps start, dt, n, b)
         self.paused = False
         self.kick_due = False  # a "kick" event is queued (all of one instant's arrivals join the same batch)
@@ -137,9 +143,10 @@ class Simulator:
         self.step_end: list[float] = []
         self.lag: dict[int, int] = {}
         self.actor_free = 0.0  # when the actor's serial per-group work is next free
-        # time spent in each (trainer threads busy: compute + push, servers busy, actor busy) state: what shares the
-        # cores (contention.py)
-        self.occupancy: dict[tuple[int, int, int], float] = {}
+        # time spent in each (trainer threads busy: compute + push, engine threads busy, servers' HTTP threads busy,
+        # actor busy) state: what shares the cores (contention.py)
+        self.occupancy: dict[tuple[int, int, int, int], float] = {}
+        self.stall = profile.server_http_stall
         # per token the trainer computes: a group's prompt once (trainer/prefix.py), then its completions
         self.tok_s = profile.trainer.forward_tokens_per_s_at(cfg.trainer_devices, cfg.group_size)
         # a run's steps cost run_step_factor x plain ones (traffic.py): its decode and prefill alike
@@ -158,7 +165,8 @@ class Simulator:
             t, _, kind, obj = heapq.heappop(self.events)
             if self.track and t > self.now:
                 state = (int(self.trainer_busy) + int(self.push_end > self.now),  # the push works on a thread
-                         sum(s.chunk is not None or s.paused for s in self.servers),
+                         sum(s.chunk is not None or (s.paused and not s.stalled) for s in self.servers),
+                         sum(s.http_free > self.now for s in self.servers),
                          int(self.actor_free > self.now))
                 self.occupancy[state] = self.occupancy.get(state, 0.0) + t - self.now
             self.now = t
@@ -194,10 +202,23 @@ class Simulator:
             g = _Group(k, min_v, [c.lengths.sample(self.rng) for _ in range(c.group_size)], srv.k)
             self.started += 1
             srv.outstanding += 1
-            srv.waiting.append(g)
-            srv.requests_s += self.p.server_s_per_request
-            self._poke(srv, admissible=(min_v <= srv.version and len(srv.heap) < c.max_batch)
-                       or self.p.server_s_per_request > 0)
+            if self.p.server_s_per_request > 0:  # parsed on the server's HTTP thread first
+                self._at(self._http(srv, self.p.server_s_per_request), "arrive", (srv, g))
+            else:
+                self._on_arrive((srv, g))
+
+    def _http(self, srv: _Server, cost: float) -> float:
+        """Queues `cost` seconds of work on the server's HTTP thread; returns when it is done."""
+        srv.http_free = max(self.now, srv.http_free) + cost
+        return srv.http_free
+
+    def _on_arrive(self, obj: object) -> None:
+        srv, g = obj  # type: ignore[misc]
+        c = self.cfg
+        srv.waiting.append(g)
+        if srv.chunk is not None:  # parsed while the engine decoded: it lost its share of that time
+            srv.stall_s += self.stall * self.p.server_s_per_request
+        self._poke(srv, admissible=(g.min_version <= srv.version and len(srv.heap) < c.max_batch) or srv.stall_s > 0)
 
     # -- servers --------------------------------------------------------------------------------------------------
     def _poke(self, srv: _Server, admissible: bool) -> None:
@@ -230,11 +251,9 @@ class Simulator:
         """The server is free at self.now: swap in a pending update, admit waiting sequences, run until the next
         sequence ends."""
         c, t = self.cfg, self.now
-        if srv.requests_s > 0:  # the requests that arrived are parsed first (the update's handler queues behind them)
-            cost, srv.requests_s = srv.requests_s, 0.0
-            srv.busy += cost
-            srv.paused = True
-            self._at(t + cost, "resume", srv)
+        if srv.stall_s > 0:  # what the HTTP thread's work took from the engine thread in the last run
+            cost, srv.stall_s = srv.stall_s, 0.0
+            self._pause(srv, cost, stalled=True)
             return
         if srv.pending is not None:
             cost = self.p.pause_s
@@ -243,9 +262,7 @@ class Simulator:
             srv.version, srv.pending = srv.pending, None
             srv.changes.append(srv.counter)
             srv.change_versions.append(srv.version)
-            srv.busy += cost
-            srv.paused = True
-            self._at(t + cost, "resume", srv)
+            self._pause(srv, cost)
             return
         prefill_tokens = 0
         while srv.waiting and len(srv.heap) < c.max_batch and srv.waiting[0].min_version <= srv.version:
@@ -282,26 +299,29 @@ class Simulator:
         srv.decode_time += n * dt
         srv.batch_time += n * dt * b
         srv.tokens += n * b
-        replies, cost = 0, 0.0
+        cost = 0.0
         while srv.heap and srv.heap[0][0] <= srv.counter:
             finish, _, begin, g = heapq.heappop(srv.heap)
             srv.ctx_base -= self.cfg.prompt_tokens - begin
             self._count_versions(srv, g, begin, finish)
             g.left -= 1
             if g.left == 0:
-                replies += 1
                 srv.outstanding -= 1
                 completion = sum(g.lengths)
-                cost += self.p.server_reply_s(completion)  # the replies go out one after another
-                self.actor_free = max(self.now + cost, self.actor_free) + self.p.actor_reply_s(completion)
+                cost += self.p.server_reply_s(completion)
+                sent = self._http(srv, self.p.server_reply_s(completion))  # the replies go out one after another
+                self.actor_free = max(sent, self.actor_free) + self.p.actor_reply_s(completion)
                 self._at(self.actor_free + self.p.overhead_s, "group", g)
                 self._actor()
-        if replies and cost > 0:  # the server answers before its next step
-            srv.busy += cost
-            srv.paused = True
-            self._at(self.now + cost, "resume", srv)
+        if cost * self.stall > 0:  # the engine thread loses its share while the HTTP thread answers
+            self._pause(srv, cost * self.stall, stalled=True)
             return
         self._kick_soon(srv)
+
+    def _pause(self, srv: _Server, seconds: float, stalled: bool = False) -> None:
+        srv.busy += seconds
+        srv.paused, srv.stalled = True, stalled
+        self._at(self.now + seconds, "resume", srv)
 
     @staticmethod
     def _count_versions(srv: _Server, g: _Group, begin: int, finish: int) -> None:
@@ -318,16 +338,23 @@ class Simulator:
             i += 1
 
     def _on_resume(self, srv: _Server) -> None:
-        srv.paused = False
+        srv.paused = srv.stalled = False
         self._kick_soon(srv)
 
     def _on_update(self, obj: object) -> None:
         version = int(obj)  # type: ignore[call-overload]
-        for srv in self.servers:
-            srv.pending = version
-            self._poke(srv, admissible=True)
+        for srv in self.servers:  # its request is read by the HTTP thread, after the work queued before it
+            if srv.http_free > self.now:
+                self._at(srv.http_free, "swap", (srv, version))
+            else:
+                self._on_swap((srv, version))
         if not self.cfg.gated:
             self._publish(version)
+
+    def _on_swap(self, obj: object) -> None:
+        srv, version = obj  # type: ignore[misc]
+        srv.pending = version
+        self._poke(srv, admissible=True)
 
     # -- trainer --------------------------------------------------------------------------------------------------
     def _on_group(self, g: _Group) -> None:
@@ -388,5 +415,5 @@ class Simulator:
 
 def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False) -> SimResult:
     """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
-    spent in each (trainer threads, servers, actor) busy state."""
+    spent in each (trainer threads, engine threads, HTTP threads, actor) busy state."""
     return Simulator(profile, cfg, occupancy).run()

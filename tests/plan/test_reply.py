@@ -30,6 +30,10 @@ def test_server_reply_work_stops_decoding_by_hand():
     assert steady(r) == pytest.approx(128 / 0.1288, rel=1e-6)
     assert r.server_busy[0] == pytest.approx(1.0, rel=1e-3)  # answering counts as busy
     assert r.lag_hist == base.lag_hist
+    # answered on the HTTP thread beside the engine (no interpreter lock to share): decoding never stops, and the
+    # replies still reach the actor one after another
+    beside = simulate(with_reply(server_s_per_group=0.001, server_s_per_token=1e-5, server_http_stall=0.0), BASE)
+    assert steady(beside) == pytest.approx(1280.0, rel=1e-6)
 
 
 def test_actor_work_hides_behind_decoding_until_it_is_the_slowest_role():

@@ -153,17 +153,23 @@ def test_bad_settings_are_refused():
         Lengths(values=[0, 3])
 
 
-def test_a_groups_requests_stop_the_server_when_they_arrive():
-    # one round of 16 groups x 8 = one full batch of 128, 10 decode steps of 10 ms, everything else free: the 16
-    # requests (2 ms each) are parsed first, then the batch decodes: 32 + 100 ms
+def test_a_groups_requests_are_parsed_on_the_servers_http_thread():
+    # one round of 16 groups x 8 = one full batch of 128, 10 decode steps of 10 ms, everything else free; the 16
+    # requests (1.5 ms each) are parsed one after another on the HTTP thread: group k joins the queue at 1.5 (k + 1)
+    # ms. The engine starts on group 0 at 1.5 ms; a group that arrives mid-step joins at the next boundary (11.5,
+    # 21.5, 31.5 ms): the last one (24 ms) at 31.5 ms, then its 10 steps
     cfg = dataclasses.replace(BASE, mode="sync", num_grad_steps=1, steps=1, gated=False)
-    prof = flat_profile().model_copy(update={"server_s_per_request": 0.002})
-    r = simulate(prof, cfg)
-    assert r.step_end_s == [pytest.approx(0.132)]
-    assert r.server_busy[0] == pytest.approx(1.0)
-    # charged at the arrival or at the reply (server_s_per_group), the server does the same work: 2 steps x 32 ms,
-    # here with the second step's requests sent ahead, arriving while the first step decodes
-    two = dataclasses.replace(BASE, steps=2, max_lag=0, queue_ahead=1)
-    a = simulate(prof, two)
-    b = simulate(flat_profile().model_copy(update={"server_s_per_group": 0.002}), two)
-    assert a.server_busy[0] * a.wall_s == pytest.approx(b.server_busy[0] * b.wall_s)  # the same work, 2 x 32 ms
+    beside = flat_profile().model_copy(update={"server_s_per_request": 0.0015, "server_http_stall": 0.0})
+    r = simulate(beside, cfg)
+    assert r.step_end_s == [pytest.approx(0.1315)]
+    assert r.server_busy[0] == pytest.approx(0.13 / 0.1315)  # decoding from 1.5 ms on
+    # the interpreter lock held throughout (stall 1): the parses that ran while the engine decoded are taken from it
+    # at the next boundary: 6 x 1.5 ms at 11.5 ms (3-10.5 ms), none of those parsed during that stall, 3 x 1.5 ms at
+    # 30.5 ms (21-24 ms): the last groups join at 35 ms
+    stalled = simulate(beside.model_copy(update={"server_http_stall": 1.0}), cfg)
+    assert stalled.step_end_s == [pytest.approx(0.135)]
+    # the HTTP thread is a busy thread of its own for the cores (contention.py): 24 ms of parsing, 22.5 of them
+    # beside the decoding engine
+    occ = simulate(beside, cfg, occupancy=True).extra["occupancy"]
+    assert sum(dt for (_, _, h, _), dt in occ.items() if h) == pytest.approx(0.024)
+    assert sum(dt for (_, e, h, _), dt in occ.items() if h and e) == pytest.approx(0.0225)
