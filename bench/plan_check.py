@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{profile.server_s_per_group * 1e3:.2f} ms per group + "
              f"{profile.server_s_per_token * 1e6:.2f} us per token, actor {profile.actor_s_per_group * 1e3:.2f} ms + "
              f"{profile.actor_s_per_token * 1e6:.2f} us, trainer stream read {profile.trainer_s_per_group * 1e3:.2f} "
-             f"ms + {profile.trainer_s_per_token * 1e6:.2f} us")
+             f"ms + {profile.trainer_s_per_token * 1e6:.2f} us; the engine losing {profile.server_http_stall:.2f} s "
+             "per second of the server's HTTP work")
     table(f"PREDICTED from profile {args.profile}{shared}{reply} vs MEASURED ({config.name}, runs in {out}; "
           f"samples/s after step {args.skip})", rows)
     results["profile"] = rows
@@ -308,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{e.run_step_factor:.3f}){shared}", [(n, r, pred(plain, n)) for n, r in reals.items()])
         if args.repeats > 1:
             summary(args.repeats, {n: [(r, pred(plain, n, r)) for r in rs] for n, rs in reps.items()})
+    if profile.server_http_stall != 1.0:  # the server's HTTP work as a pause of a one-thread server
+        one = profile.model_copy(update={"server_http_stall": 1.0})
+        table(f"PREDICTED from the same profile with the HTTP work stopping the engine (server_http_stall 1, not "
+              f"{profile.server_http_stall:.2f}){shared}", [(n, r, pred(one, n)) for n, r in reals.items()])
+        if args.repeats > 1:
+            summary(args.repeats, {n: [(r, pred(one, n, r)) for r in rs] for n, rs in reps.items()})
     if args.calibrate:  # fit c on the first run for each server share; keep the share that predicts the second
         first, second = args.calibrate.split(",")
         fits = []

@@ -16,6 +16,11 @@ The server's share that is spent when a group's requests arrive (HTTP, parsing, 
 timed apart: requests held at the server's version gate, so that nothing decodes or replies meanwhile. It falls on
 the server at the arrival, not at the end: a sync round's requests come in one burst, right when the weights do.
 
+That HTTP work runs on the server's main thread while the engine thread decodes; the two share the interpreter
+lock, and how much decoding the HTTP work costs is measured too (_stall): a fixed decode (a batch of the config's
+lengths, ignore_eos) timed alone and with a burst of held requests parsed meanwhile, the engine thread pinned to a
+core of its own so that only the lock (not a shared core) can slow it: seconds lost / seconds of HTTP work.
+
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
 engine thread and is in the decode curve already. Each role is timed at two lengths L1 < L2 and written as
 seconds per group + seconds per completion token (a line through the two points, each cost >= 0).
@@ -25,10 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 
 def thread_cpu_s(pid: int, tid: int | None = None) -> float:
@@ -139,8 +148,86 @@ async def _request_cost(actor: Any, server_pid: int, groups: int, length: int) -
     return (s1 - s0) / groups
 
 
+def _threads(pid: int) -> list[int]:
+    return [int(t) for t in _listdir(f"/proc/{pid}/task")]
+
+
+def _held_request(url: str, model: str, messages: list, api_key: str | None) -> bytes:
+    """The bytes of one chat request held at the version gate (PARKED), ready to write to a socket."""
+    body = json.dumps({"model": model, "messages": messages, "n": 1, "max_tokens": 1,
+                       "min_weight_version": PARKED}).encode()
+    host = urlsplit(url).netloc
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, request_s: float,
+                 batch: int) -> float | None:
+    """Seconds of decoding the server's engine thread loses per second of its main thread's HTTP work (None: fewer
+    than 2 cores to keep them apart). `request_s`: main-thread seconds per held request (_request_cost); `batch`:
+    the decode's sequences. The held requests go out as bytes prepared beforehand on connections opened
+    beforehand, so that this process (on the main thread's core) costs next to nothing while they are parsed."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or request_s <= 0:
+        return None
+    cfg, client = actor.cfg, actor.client
+    messages = next(actor.prompts).messages
+    where = urlsplit(url)
+
+    async def decode() -> None:
+        await client.chat(messages, n=batch, max_tokens=cfg.max_new_tokens, ignore_eos=True)
+
+    async def send(socks: list[socket.socket], gap_s: float) -> None:
+        """One held request per socket, spread over the decode's first 60%: the main thread parses each as it
+        comes, so the decode's own reply never waits behind them."""
+        for sock in socks:
+            sock.sendall(request)
+            await asyncio.sleep(gap_s)
+
+    # the engine thread: the server's busiest thread other than the main one over a decode
+    before = {t: thread_cpu_s(server_pid, t) for t in _threads(server_pid)}
+    await decode()
+    request = _held_request(url, client.model, messages, api_key)
+    engine = max((t for t in before if t != server_pid),
+                 key=lambda t: thread_cpu_s(server_pid, t) - before[t])
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(engine, {cores[0]})
+        for t in _threads(server_pid):
+            if t != engine:
+                os.sched_setaffinity(t, set(cores[1:]))
+        os.sched_setaffinity(0, set(cores[1:]))
+        t0 = time.perf_counter()
+        await decode()
+        alone = time.perf_counter() - t0
+        burst = max(1, int(0.3 * alone / request_s))  # parsed well within the decode
+        rounds = min(8, max(4, math.ceil(1.0 / alone)))  # short decodes: more rounds (each waits 1 s for the 409s)
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        http: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for loaded in (False, True):
+                socks = [socket.create_connection((where.hostname, where.port)) for _ in range(burst if loaded else 0)]
+                await asyncio.sleep(0.05)  # the connections accepted before the clock starts
+                h0, t0 = thread_cpu_s(server_pid, server_pid), time.perf_counter()
+                sender = asyncio.create_task(send(socks, 0.6 * alone / max(1, len(socks))))
+                await decode()
+                walls[loaded].append(time.perf_counter() - t0)
+                http[loaded].append(thread_cpu_s(server_pid, server_pid) - h0)
+                await sender
+                if socks:
+                    await asyncio.sleep(1.2)  # the held requests end in 409 at the server's version wait (1 s)
+                for sock in socks:
+                    sock.close()
+    finally:
+        os.sched_setaffinity(0, mine)
+    med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
+    work = sorted(b - a for a, b in zip(http[False], http[True], strict=True))[rounds // 2]
+    return max(0.0, med[True] - med[False]) / work if work > 0 else None
+
+
 async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
-                  groups: int) -> tuple[list[ReplyCost], float]:
+                  groups: int) -> tuple[list[ReplyCost], float, float | None]:
     import multiprocessing as mp
 
     from inflight.actor.run import make_rewards, open_actor
@@ -174,18 +261,22 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                 out.append(ReplyCost(length, cfg.actor.group_size, groups, (s1 - s0) / groups,
                                      (a1 - a0 - trainer) / groups, (r1 - r0) / groups, trainer / groups, wall))
             request_s = await _request_cost(actor, server_pid, groups, lengths[0])
+            per_request = request_s / (1 if cfg.actor.use_n else cfg.actor.group_size)
+            batch = min(cfg.server.max_batch, cfg.actor.group_size * cfg.actor.groups_per_step)
+            stall = await _stall(actor, url, cfg.server.api_key or None, server_pid, per_request, batch)
     finally:
         await asyncio.to_thread(rewards.close)
         stream.close()
-    return out[1:], request_s
+    return out[1:], request_s, stall
 
 
 def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
-                  groups: int = 0) -> tuple[list[ReplyCost], float]:
+                  groups: int = 0) -> tuple[list[ReplyCost], float, float | None]:
     """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
-    worth); and the server's share of it spent when a group's requests arrive (_request_cost). `cfg`: RunConfig,
-    built-in engine (the server's main thread is read from /proc)."""
+    worth); the server's share of it spent when a group's requests arrive (_request_cost); and the decoding its
+    HTTP work costs, per second of it (_stall; None on one core). `cfg`: RunConfig, built-in engine (the server's
+    threads are read from /proc)."""
     from inflight.engine.serve import ServerProcess
     from inflight.host import free_port
     from inflight.pipeline.launch_common import server_command, thread_env
