@@ -4,7 +4,9 @@ a pipeline whenever the roles overlap in time.
 
 Model (processor sharing): while the busy roles want D threads on C cores and D > C, each runs at C / D of its own
 speed. The simulator records how long each combination of busy threads lasted (Simulator.occupancy: the trainer's,
-each server's engine thread and its HTTP thread, the actor); each role's slowdown is the time-weighted mean of
+each server's engine thread and its HTTP thread, the actor; an engine stalled by its HTTP thread's hold on the
+interpreter lock still wants a core for the share of the stall it computes, handing the lock back and forth:
+Profile.server_http_spin); each role's slowdown is the time-weighted mean of
 max(1, D / C) over the time it was busy (a server: either of its threads), times the profile's measured co-run
 factor (`trainer_corun` / `server_corun`, corun.py: shared cache and memory bandwidth) over the time the trainer and
 a server computed together; the profile's figures are divided by
@@ -39,19 +41,20 @@ def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Pro
         "trainer_s_per_token": profile.trainer_s_per_token * trainer})
 
 
-def slowdowns(occupancy: dict[tuple[int, int, int, int], float], cores: float, trainer_threads: float = 1.0,
+def slowdowns(occupancy: dict[tuple[int, int, int, int, int], float], cores: float, trainer_threads: float = 1.0,
               server_threads: float = 1.0, actor_threads: float = 1.0,
-              corun: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float, float]:
-    """(trainer, server, actor) slowdowns from the time spent in each (trainer, engines, HTTP threads, actor) busy
-    state; `server_threads`: each engine's compute threads; `corun`: the (trainer, server) factors while the trainer
-    and an engine both compute (Profile.trainer_corun, server_corun)."""
+              corun: tuple[float, float] = (1.0, 1.0), stalled: float = 0.0) -> tuple[float, float, float]:
+    """(trainer, server, actor) slowdowns from the time spent in each (trainer, engines, stalled engines, HTTP
+    threads, actor) busy state; `server_threads`: each engine's compute threads; `corun`: the (trainer, server)
+    factors while the trainer and an engine both compute (Profile.trainer_corun, server_corun); `stalled`: the share
+    of its stall an engine still wants a core (Profile.server_http_spin / server_http_stall)."""
     out = []
     for role in range(3):
         num = den = 0.0
-        for (t, e, h, a), dt in occupancy.items():
-            if (t, e + h, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
+        for (t, e, s, h, a), dt in occupancy.items():
+            if (t, e + s + h, a)[role] == 0:  # t counts the trainer's threads at work: compute and the push
                 continue
-            demand = t * trainer_threads + e * server_threads + h + a * actor_threads
+            demand = t * trainer_threads + e * server_threads + s * stalled + h + a * actor_threads
             both = corun[role] if role < 2 and t and e else 1.0
             num += dt * max(1.0, demand / cores) * both
             den += dt
@@ -65,8 +68,9 @@ def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_thre
     s = (1.0, 1.0, 1.0)
     result = simulate(profile, cfg, occupancy=True)
     for _ in range(passes):
+        spin = min(1.0, profile.server_http_spin / profile.server_http_stall) if profile.server_http_stall else 0.0
         new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads,
-                        (profile.trainer_corun, profile.server_corun))
+                        (profile.trainer_corun, profile.server_corun), spin)
         s = tuple((a + b) / 2 for a, b in zip(s, new, strict=True))  # damped: the overlap moves with the speeds
         result = simulate(slowed(profile, *s), cfg, occupancy=True)
     result.extra["slowdown"] = dict(zip(("trainer", "server", "actor"), s, strict=True))

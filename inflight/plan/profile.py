@@ -147,6 +147,9 @@ class Profile(_Strict):
     # the server's HTTP work (server_s_per_*) runs on its own thread beside the engine's: seconds the engine thread
     # loses per second of it (the interpreter lock the two share; reply.py measures it). 1: decoding stops meanwhile
     server_http_stall: float = Field(1.0, ge=0)
+    # seconds the engine thread still computes meanwhile, per second of that work (handing the lock back and forth):
+    # for that share of its stall it wants a core (contention.py)
+    server_http_spin: float = Field(0.0, ge=0)
     actor_s_per_token: float = Field(0.0, ge=0)
     # per group on the trainer, besides back-propagating it: reading it from the stream and decoding it (every
     # group, trained samples or not)

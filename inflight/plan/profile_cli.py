@@ -151,10 +151,11 @@ def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
 
     if lengths is not None and len(lengths) != 2:
         raise SystemExit("inflight profile: --reply-lengths takes two lengths, e.g. 4,12")
-    (lo, hi), request_s, stall = measure(cfg, tuple(lengths) if lengths else None)
+    (lo, hi), request_s, lock = measure(cfg, tuple(lengths) if lengths else None)
     print(f"requests arriving (held at the version gate): server {request_s * 1e3:.2f} ms per group (CPU time)")
-    if stall is not None:
-        print(f"the server's HTTP work beside decoding: the engine thread loses {stall:.2f} s per second of it")
+    if lock is not None:
+        print(f"the server's HTTP work beside decoding: per second of it the engine thread loses {lock[0]:.2f} s and "
+              f"computes {lock[1]:.2f} s (the interpreter lock)")
     for c in (lo, hi):
         print(f"reply work at {c.length} tokens x {c.group_size} ({c.groups} groups, {c.wall_s:.2f} s): per group "
               f"server {c.server_s * 1e3:.2f} ms, actor {c.actor_s * 1e3:.2f} ms + reward workers "
@@ -167,6 +168,6 @@ def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
     # the server's fixed part, split: what the requests cost when they arrive, the rest when the group is answered
     out["server_s_per_request"] = min(request_s, out["server_s_per_group"])
     out["server_s_per_group"] -= out["server_s_per_request"]
-    if stall is not None:
-        out["server_http_stall"] = stall
+    if lock is not None:
+        out["server_http_stall"], out["server_http_spin"] = lock
     return out

@@ -19,7 +19,8 @@ the server at the arrival, not at the end: a sync round's requests come in one b
 That HTTP work runs on the server's main thread while the engine thread decodes; the two share the interpreter
 lock, and how much decoding the HTTP work costs is measured too (_stall): a fixed decode (a batch of the config's
 lengths, ignore_eos) timed alone and with a burst of held requests parsed meanwhile, the engine thread pinned to a
-core of its own so that only the lock (not a shared core) can slow it: seconds lost / seconds of HTTP work.
+core of its own so that only the lock (not a shared core) can slow it: seconds lost / seconds of HTTP work; and
+the engine thread's own CPU meanwhile (handing the lock back and forth: it still wants a core for that share).
 
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
 engine thread and is in the decode curve already. Each role is timed at two lengths L1 < L2 and written as
@@ -163,9 +164,9 @@ def _held_request(url: str, model: str, messages: list, api_key: str | None) -> 
 
 
 async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, request_s: float,
-                 batch: int) -> float | None:
-    """Seconds of decoding the server's engine thread loses per second of its main thread's HTTP work (None: fewer
-    than 2 cores to keep them apart). `request_s`: main-thread seconds per held request (_request_cost); `batch`:
+                 batch: int) -> tuple[float, float] | None:
+    """(seconds of decoding the server's engine thread loses, seconds it computes meanwhile) per second of its main
+    thread's HTTP work (None: fewer than 2 cores to keep them apart). `request_s`: main-thread seconds per held request (_request_cost); `batch`:
     the decode's sequences. The held requests go out as bytes prepared beforehand on connections opened
     beforehand, so that this process (on the main thread's core) costs next to nothing while they are parsed."""
     cores = sorted(os.sched_getaffinity(0))
@@ -205,15 +206,18 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
         rounds = min(8, max(4, math.ceil(1.0 / alone)))  # short decodes: more rounds (each waits 1 s for the 409s)
         walls: dict[bool, list[float]] = {False: [], True: []}
         http: dict[bool, list[float]] = {False: [], True: []}
+        engine_cpu: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(rounds):
             for loaded in (False, True):
                 socks = [socket.create_connection((where.hostname, where.port)) for _ in range(burst if loaded else 0)]
                 await asyncio.sleep(0.05)  # the connections accepted before the clock starts
                 h0, t0 = thread_cpu_s(server_pid, server_pid), time.perf_counter()
+                e0 = thread_cpu_s(server_pid, engine)
                 sender = asyncio.create_task(send(socks, 0.6 * alone / max(1, len(socks))))
                 await decode()
                 walls[loaded].append(time.perf_counter() - t0)
                 http[loaded].append(thread_cpu_s(server_pid, server_pid) - h0)
+                engine_cpu[loaded].append(thread_cpu_s(server_pid, engine) - e0)
                 await sender
                 if socks:
                     await asyncio.sleep(1.2)  # the held requests end in 409 at the server's version wait (1 s)
@@ -221,13 +225,17 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
                     sock.close()
     finally:
         os.sched_setaffinity(0, mine)
-    med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
-    work = sorted(b - a for a, b in zip(http[False], http[True], strict=True))[rounds // 2]
-    return max(0.0, med[True] - med[False]) / work if work > 0 else None
+    def gain(x: dict[bool, list[float]]) -> float:  # loaded - alone, medians
+        return sorted(x[True])[rounds // 2] - sorted(x[False])[rounds // 2]
+
+    work = gain(http)
+    if work <= 0:
+        return None
+    return max(0.0, gain(walls)) / work, max(0.0, gain(engine_cpu)) / work
 
 
 async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
-                  groups: int) -> tuple[list[ReplyCost], float, float | None]:
+                  groups: int) -> tuple[list[ReplyCost], float, tuple[float, float] | None]:
     import multiprocessing as mp
 
     from inflight.actor.run import make_rewards, open_actor
@@ -271,11 +279,11 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
 
 
 def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
-                  groups: int = 0) -> tuple[list[ReplyCost], float, float | None]:
+                  groups: int = 0) -> tuple[list[ReplyCost], float, tuple[float, float] | None]:
     """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
     worth); the server's share of it spent when a group's requests arrive (_request_cost); and the decoding its
-    HTTP work costs, per second of it (_stall; None on one core). `cfg`: RunConfig, built-in engine (the server's
+    HTTP work costs and the engine's CPU meanwhile, per second of it (_stall; None on one core). `cfg`: RunConfig, built-in engine (the server's
     threads are read from /proc)."""
     from inflight.engine.serve import ServerProcess
     from inflight.host import free_port

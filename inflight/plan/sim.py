@@ -65,7 +65,7 @@ class _Server:
         self.pending: int | None = None  # a version that arrived and waits for the next step boundary
         self.http_free = 0.0  # when its HTTP thread is next free (busy while > now: its work queues back to back)
         self.stall_s = 0.0  # seconds the engine thread owes the HTTP thread's work, paid at the next step boundary
-        self.stalled = False  # paused only for that: the engine thread waits on the lock, it computes nothing
+        self.stalled = False  # paused only for that: the engine thread waits on the lock (server_http_spin: partly)
         self.chunk: tuple[int, float, float, float, int, int] | None = None  # (id, t0, steps start, dt, n, b)
         self.paused = False
         self.kick_due = False  # a "kick" event is queued (all of one instant's arrivals join the same batch)
@@ -143,9 +143,9 @@ class Simulator:
         self.step_end: list[float] = []
         self.lag: dict[int, int] = {}
         self.actor_free = 0.0  # when the actor's serial per-group work is next free
-        # time spent in each (trainer threads busy: compute + push, engine threads busy, servers' HTTP threads busy,
-        # actor busy) state: what shares the cores (contention.py)
-        self.occupancy: dict[tuple[int, int, int, int], float] = {}
+        # time spent in each (trainer threads busy: compute + push, engine threads busy, engine threads stalled by
+        # their HTTP thread, HTTP threads busy, actor busy) state: what shares the cores (contention.py)
+        self.occupancy: dict[tuple[int, int, int, int, int], float] = {}
         self.stall = profile.server_http_stall
         # per token the trainer computes: a group's prompt once (trainer/prefix.py), then its completions
         self.tok_s = profile.trainer.forward_tokens_per_s_at(cfg.trainer_devices, cfg.group_size)
@@ -166,6 +166,7 @@ class Simulator:
             if self.track and t > self.now:
                 state = (int(self.trainer_busy) + int(self.push_end > self.now),  # the push works on a thread
                          sum(s.chunk is not None or (s.paused and not s.stalled) for s in self.servers),
+                         sum(s.stalled for s in self.servers),
                          sum(s.http_free > self.now for s in self.servers),
                          int(self.actor_free > self.now))
                 self.occupancy[state] = self.occupancy.get(state, 0.0) + t - self.now
@@ -415,5 +416,5 @@ class Simulator:
 
 def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False) -> SimResult:
     """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
-    spent in each (trainer threads, engine threads, HTTP threads, actor) busy state."""
+    spent in each (trainer threads, engine threads, stalled engine threads, HTTP threads, actor) busy state."""
     return Simulator(profile, cfg, occupancy).run()

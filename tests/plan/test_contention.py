@@ -14,7 +14,7 @@ from tests.plan.test_sim import flat_profile
 
 def test_slowdowns_by_hand():
     # 2 cores. 1 s trainer alone, 1 s trainer + server, 2 s trainer + server + actor (3 threads: 1.5x slower)
-    occ = {(1, 0, 0, 0): 1.0, (1, 1, 0, 0): 1.0, (1, 1, 0, 1): 2.0, (0, 0, 0, 0): 5.0}
+    occ = {(1, 0, 0, 0, 0): 1.0, (1, 1, 0, 0, 0): 1.0, (1, 1, 0, 0, 1): 2.0, (0, 0, 0, 0, 0): 5.0}
     t, s, a = slowdowns(occ, cores=2)
     assert t == pytest.approx((1 + 1 + 2 * 1.5) / 4)
     assert s == pytest.approx((1 + 2 * 1.5) / 3)
@@ -28,9 +28,13 @@ def test_slowdowns_by_hand():
     assert slowdowns(occ, cores=4, corun=(1.2, 1.1)) == pytest.approx(((1 + 3 * 1.2) / 4, 1.1, 1.0))
     # a server's HTTP thread is a thread of its own: engine + HTTP + actor want 3 threads; `server_threads` counts
     # the engine's compute threads only; the co-run factor needs the engine computing
-    assert slowdowns({(0, 1, 1, 1): 1.0}, cores=2) == pytest.approx((1.0, 1.5, 1.5))
-    assert slowdowns({(0, 1, 1, 0): 1.0}, cores=2, server_threads=2) == pytest.approx((1.0, 1.5, 1.0))
-    assert slowdowns({(1, 0, 1, 0): 1.0}, cores=2, corun=(1.2, 1.1)) == (1.0, 1.0, 1.0)
+    assert slowdowns({(0, 1, 0, 1, 1): 1.0}, cores=2) == pytest.approx((1.0, 1.5, 1.5))
+    assert slowdowns({(0, 1, 0, 1, 0): 1.0}, cores=2, server_threads=2) == pytest.approx((1.0, 1.5, 1.0))
+    assert slowdowns({(1, 0, 0, 1, 0): 1.0}, cores=2, corun=(1.2, 1.1)) == (1.0, 1.0, 1.0)
+    # an engine stalled by its HTTP thread wants a core for the `stalled` share: trainer + HTTP + actor + 0.5 x
+    # engine = 3.5 threads on 2 cores
+    assert slowdowns({(1, 0, 1, 1, 1): 1.0}, cores=2, stalled=0.5) == pytest.approx((1.75, 1.75, 1.75))
+    assert slowdowns({(1, 0, 1, 1, 1): 1.0}, cores=2) == pytest.approx((1.5, 1.5, 1.5))
 
 
 def test_slowed_profile_scales_every_role():

@@ -133,6 +133,7 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
     assert 1.0 <= p.trainer_corun < 3.0 and 1.0 <= p.server_corun < 3.0  # measured beside each other (corun.py)
     if len(os.sched_getaffinity(0)) >= 2:  # the decoding the server's HTTP work costs (reply.py: 2 cores)
         assert "server_http_stall" in json.loads(out.read_text()) and 0.0 <= p.server_http_stall < 3.0
+        assert 0.0 <= p.server_http_spin <= 1.5 * p.server_http_stall + 0.5  # the engine's CPU while it waits
 
 
 @pytest.mark.slow

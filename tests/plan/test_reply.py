@@ -89,7 +89,7 @@ def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny
 
     cfg = load_config(RunConfig, REPO / "configs" / "cpu-demo.yaml",
                       [f"model.path={tiny_model_dir}", "actor.groups_per_step=4", "actor.reward_workers=1"])
-    (short, long_), request_s, stall = measure_reply(cfg, lengths=(4, 64), groups=8)
+    (short, long_), request_s, lock = measure_reply(cfg, lengths=(4, 64), groups=8)
     assert (short.length, long_.length, short.groups, short.group_size) == (4, 64, 8, 8)
     for c in (short, long_):
         assert 0 < c.server_s < 0.5 and 0 < c.actor_s < 0.5 and 0 < c.trainer_s < 0.5 and c.reward_s >= 0
@@ -99,9 +99,12 @@ def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny
     # the requests alone, held at the version gate: a real cost, below a whole group's with 64-token replies
     assert 0 < request_s < long_.server_s
     # the decoding lost per second of HTTP work beside it: measured wherever 2 cores keep the threads apart; between
-    # none (the lock released throughout) and a few (each handover costing the engine a switch interval)
+    # none (the lock released throughout) and a few (each handover costing the engine a switch interval); the
+    # engine's own CPU meanwhile (handing the lock back and forth) is a part of what it loses, give or take noise
     if len(os.sched_getaffinity(0)) >= 2:
-        assert stall is not None and 0.0 <= stall < 3.0
+        assert lock is not None
+        stall, spin = lock
+        assert 0.0 <= stall < 3.0 and 0.0 <= spin <= 1.5 * stall + 0.5
 
 
 def test_core_sharing_slows_each_role_s_reply_work():
