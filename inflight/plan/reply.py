@@ -166,9 +166,10 @@ def _held_request(url: str, model: str, messages: list, api_key: str | None) -> 
 async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, request_s: float,
                  batch: int) -> tuple[float, float] | None:
     """(seconds of decoding the server's engine thread loses, seconds it computes meanwhile) per second of its main
-    thread's HTTP work (None: fewer than 2 cores to keep them apart). `request_s`: main-thread seconds per held request (_request_cost); `batch`:
-    the decode's sequences. The held requests go out as bytes prepared beforehand on connections opened
-    beforehand, so that this process (on the main thread's core) costs next to nothing while they are parsed."""
+    thread's HTTP work (None: fewer than 2 cores to keep them apart). `request_s`: main-thread seconds per held
+    request (_request_cost); `batch`: the decode's sequences. The held requests go out as bytes prepared beforehand
+    on connections opened beforehand, so that this process (on the main thread's core) costs next to nothing while
+    they are parsed. The server is left pinned: it is measured last."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2 or request_s <= 0:
         return None
@@ -225,6 +226,7 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
                     sock.close()
     finally:
         os.sched_setaffinity(0, mine)
+
     def gain(x: dict[bool, list[float]]) -> float:  # loaded - alone, medians
         return sorted(x[True])[rounds // 2] - sorted(x[False])[rounds // 2]
 
@@ -283,8 +285,8 @@ def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
     """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'
     worth); the server's share of it spent when a group's requests arrive (_request_cost); and the decoding its
-    HTTP work costs and the engine's CPU meanwhile, per second of it (_stall; None on one core). `cfg`: RunConfig, built-in engine (the server's
-    threads are read from /proc)."""
+    HTTP work costs and the engine's CPU meanwhile, per second of it (_stall; None on one core). `cfg`: RunConfig,
+    built-in engine (the server's threads are read from /proc)."""
     from inflight.engine.serve import ServerProcess
     from inflight.host import free_port
     from inflight.pipeline.launch_common import server_command, thread_env

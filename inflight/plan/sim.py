@@ -309,8 +309,9 @@ class Simulator:
             if g.left == 0:
                 srv.outstanding -= 1
                 completion = sum(g.lengths)
-                cost += self.p.server_reply_s(completion)
-                sent = self._http(srv, self.p.server_reply_s(completion))  # the replies go out one after another
+                reply = self.p.server_reply_s(completion)
+                cost += reply
+                sent = self._http(srv, reply)  # the replies go out one after another
                 self.actor_free = max(sent, self.actor_free) + self.p.actor_reply_s(completion)
                 self._at(self.actor_free + self.p.overhead_s, "group", g)
                 self._actor()
