@@ -23,7 +23,8 @@ from inflight.plan.workload import SimConfig
 
 
 def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Profile:
-    """The profile with each role `x` times slower (the push is the trainer's work)."""
+    """The profile with each role `x` times slower (the push is the trainer's work; what it takes more beside the
+    other roles, push_beside_*, was measured beside them and is kept)."""
     e, t = profile.engine, profile.trainer
     curve = DecodeCurve(batches=e.decode.batches, contexts=e.decode.contexts,
                         step_s=[[v * server for v in row] for row in e.decode.step_s])

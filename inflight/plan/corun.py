@@ -12,6 +12,11 @@ measured, not guessed:
   while the trainer trains in a thread of this process.
 
 Each factor is slowed / alone (>= 1 by construction of the model: a ratio under 1 is noise and is kept at 1).
+
+The push slows down too, and more: its threads (the trainer's, the server's receiving one) hand work to each other
+and each hand-off waits for a core or an interpreter. measure_push_beside times it alone, while the trainer trains,
+while the server decodes, and while both do, as in a pipelined run (demo model here: 8 ms alone, 10-11 beside
+training, 12-15 beside decoding, 18-22 beside both).
 """
 
 from __future__ import annotations
@@ -114,3 +119,41 @@ def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, 
             training.close()
     med = statistics.median
     return max(1.0, med(t_slowed) / med(t_alone)), max(1.0, med(s_slowed) / med(s_alone))
+
+
+def measure_push_beside(cfg: Any, train_step: Callable[[], float], batch: int, tokens: int = 64, rounds: int = 4,
+                        per_round: int = 5) -> dict[str, float]:
+    """What a push (measure.push_session) takes more while this process trains (a pipelined trainer pushes from a
+    thread while its loop trains the next step: the two share its interpreter and the cores), while the server
+    decodes a full batch (its receiving thread shares the engine's interpreter), and while both do. Where the server
+    decodes, the update also waits for a step boundary, which the simulator adds itself: half a step at that batch
+    is taken off. Medians over `rounds` alternations of the four, `per_round` pushes each; an extra under 0 is noise
+    and kept at 0. Returns Profile.push_beside_train_s, push_beside_decode_s and push_beside_both_s."""
+    import httpx
+
+    from inflight.plan.measure import push_session
+
+    with push_session(cfg, ("--max-batch", str(max(batch, 1)))) as (url, push):
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        boundary = _decode_s(url, model, batch, tokens, 1) / tokens / 2  # half a decode step at this batch
+        decoding = _Toggled(lambda: _burst(url, model, batch, tokens), "decode-load")
+        training = _Toggled(train_step, "train-load")
+        decoding.start()
+        training.start()
+        times: dict[tuple[bool, bool], list[float]] = {}
+        try:
+            for _ in range(rounds):
+                for dec, train in ((False, False), (False, True), (True, False), (True, True)):
+                    decoding.set(dec)
+                    training.set(train)
+                    for _ in range(per_round):
+                        times.setdefault((dec, train), []).append(push()[0])
+                        time.sleep(0.02)
+        finally:
+            decoding.close()
+            training.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    alone = med[False, False]
+    return {"push_beside_train_s": max(0.0, med[False, True] - alone),
+            "push_beside_decode_s": max(0.0, med[True, False] - alone - boundary),
+            "push_beside_both_s": max(0.0, med[True, True] - alone - boundary)}

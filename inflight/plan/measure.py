@@ -11,10 +11,11 @@ prompt + (n1 + n2) / 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 
@@ -218,12 +219,13 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
 
 
 # ---- the push ----------------------------------------------------------------------------------------------------
-def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
-    """(push seconds, server pause seconds), medians: the config's model pushed `pushes` times to a real `inflight
-    serve` process with the config's weight client and transport (trainer.protocol inflight), as the trainer loop
-    pushes after every optimizer step. `cfg`: RunConfig."""
+@contextlib.contextmanager
+def push_session(cfg: Any, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, Callable[[], tuple[float, float]]]]:
+    """A real `inflight serve` process of the config's model, with the config's weight client and transport joined to
+    it (trainer.protocol inflight): yields (its url, push), where push() sends the model's weights as the next
+    version, as the trainer loop does after an optimizer step, and returns (seconds, the server's pause). `cfg`:
+    RunConfig."""
     import copy
-    import statistics
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -236,19 +238,33 @@ def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
                AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).named_parameters()]
     cfg = copy.deepcopy(cfg)
     cfg.pipeline.weight_sync_port = free_port()
-    args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len)]
-    times, pauses = [], []
+    args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len), *extra_args]
+    version = 0
     with ServerProcess(cfg.model.path, extra_args=args) as server:
         client = make_weight_sync(cfg, [server.url])
+
+        def push() -> tuple[float, float]:
+            nonlocal version
+            version += 1
+            t0 = time.perf_counter()
+            stats = client.push(weights, version=version)
+            return time.perf_counter() - t0, max(stats["pause_s"].values())
+
         try:
             if cfg.trainer.weight_transport == "process_group":
                 client.init_process_group()
-            for version in range(1, pushes + 1):
-                t0 = time.perf_counter()
-                stats = client.push(weights, version=version)
-                times.append(time.perf_counter() - t0)
-                pauses.append(max(stats["pause_s"].values()))
-                time.sleep(0.05)  # as between optimizer steps
+            push()  # the first one sets buffers up
+            yield server.url, push
         finally:
             client.close()
-    return statistics.median(times[1:]), statistics.median(pauses[1:])  # the first one sets buffers up
+
+
+def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
+    """(push seconds, server pause seconds), medians of `pushes` pushes to an idle server (push_session)."""
+    times, pauses = [], []
+    with push_session(cfg) as (_, push):
+        for _ in range(pushes - 1):
+            t, pause = push()
+            times.append(t), pauses.append(pause)
+            time.sleep(0.05)  # as between optimizer steps
+    return statistics.median(times), statistics.median(pauses)

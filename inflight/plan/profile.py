@@ -132,6 +132,12 @@ class Profile(_Strict):
     engine: EngineProfile
     trainer: TrainerProfile
     push_s: float = Field(0.0, ge=0)  # optimizer step done -> every server holds the new weights
+    # seconds a push takes more while the trainer trains its next step (the push runs on a thread of its process),
+    # while the servers decode (their receiving thread shares the engine's interpreter), and while both do (on
+    # shared cores, more than the sum: every wake-up of the push's threads then waits for a core); corun.py
+    push_beside_train_s: float = Field(0.0, ge=0)
+    push_beside_decode_s: float = Field(0.0, ge=0)
+    push_beside_both_s: float = Field(0.0, ge=0)
     pause_s: float = Field(0.0, ge=0)  # a server's stop to swap the weights in
     overhead_s: float = Field(0.0, ge=0)  # per group: latency from its last token to the trainer (network, stream)
     # per group: seconds of the actor's own serial work (reply decoding, reward scoring, stream put), one group at a

@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms, "
               f"cost per token +{trainer.length_slope:.2%} per completion token")
     if not (args.server or args.no_trainer or args.no_corun) and cfg.server.engine == "builtin":
-        reply.update(measure_corun(cfg, args.prompt_tokens, args.completion_tokens))
+        reply.update(measure_corun(cfg, args.prompt_tokens, args.completion_tokens,
+                                   push=push is not None and args.push_s is None))
     prof = Profile(source=f"measured by `inflight profile {args.config}` on {platform.node()} ({platform.machine()}, "
                           f"{platform.processor() or 'cpu'}) at {when}",
                    notes=f"server threads {cfg.server.threads}, trainer threads {cfg.trainer.threads}, trainer "
@@ -130,9 +131,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_corun(cfg, prompt: int, completion: int) -> dict[str, float]:
-    """Profile.trainer_corun / server_corun: the trainer's step beside a server decoding a step's batch, and back."""
-    from inflight.plan.corun import measure_interference
+def measure_corun(cfg, prompt: int, completion: int, push: bool) -> dict[str, float]:
+    """Profile.trainer_corun / server_corun: the trainer's step beside a server decoding a step's batch, and back;
+    with `push`, also what a push takes more beside each (push_beside_train_s, push_beside_decode_s)."""
+    from inflight.plan.corun import measure_interference, measure_push_beside
     from inflight.plan.measure import trainer_bench
 
     step, _ = trainer_bench(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
@@ -141,7 +143,14 @@ def measure_corun(cfg, prompt: int, completion: int) -> dict[str, float]:
     trainer, server = measure_interference(cfg, lambda: sum(step()), batch)
     print(f"co-run: the trainer {trainer:.2f}x slower beside a server decoding {batch} sequences, the server "
           f"{server:.2f}x slower beside the trainer")
-    return {"trainer_corun": trainer, "server_corun": server}
+    out = {"trainer_corun": trainer, "server_corun": server}
+    if push:
+        beside = measure_push_beside(cfg, lambda: sum(step()), batch)
+        print(f"push beside: training +{beside['push_beside_train_s'] * 1e3:.1f} ms, decoding "
+              f"+{beside['push_beside_decode_s'] * 1e3:.1f} ms, both +{beside['push_beside_both_s'] * 1e3:.1f} ms "
+              "(less half a decode step where the server decodes)")
+        out.update(beside)
+    return out
 
 
 def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:

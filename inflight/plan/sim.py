@@ -24,7 +24,9 @@ What it models, as the code does:
   devices: TrainerProfile.forward_tokens_per_s_at, scaled by the group's mean length: length_factor), waits for
   the previous push, then the optimizer step (step_overhead_s); the version is published at once when gated, else
   when the push has reached every server; pipelined: a push after every step; sync: the round's first step waits
-  for all of its num_grad_steps x groups_per_step groups, and the push follows the round's last step.
+  for all of its num_grad_steps x groups_per_step groups, and the push follows the round's last step. A push takes
+  push_s, plus push_beside_train_s if the trainer starts its next step at once, push_beside_decode_s if a server
+  is decoding as it starts, push_beside_both_s if both (the push's threads share cores and interpreters with them).
 Not modelled: CPU cores shared between roles (contention.py: from the busy threads this records), evaluation
 requests, failures, the actor's HTTP concurrency.
 """
@@ -403,12 +405,20 @@ class Simulator:
                 self.lag[trained_at - v] = self.lag.get(trained_at - v, 0) + n
         self.version += 1
         self.step_end.append(self.now)
-        if c.mode == "pipelined" or self.version % c.num_grad_steps == 0:
-            if c.gated:
-                self._publish(self.version)
-            self.push_end = self.now + self.p.push_s
+        push = c.mode == "pipelined" or self.version % c.num_grad_steps == 0
+        if push and c.gated:
+            self._publish(self.version)
+        self._trainer()  # the next step starts now if its first group is in: the push then runs beside it
+        if push:
+            self.push_end = self.now + self._push_s()
             self._at(self.push_end, "update", self.version)
-        self._trainer()
+
+    def _push_s(self) -> float:
+        """The push's seconds: alone, and more when the trainer trains or a server decodes as it starts."""
+        decoding = any(s.chunk is not None for s in self.servers)
+        extra = {(False, False): 0.0, (True, False): self.p.push_beside_train_s,
+                 (False, True): self.p.push_beside_decode_s, (True, True): self.p.push_beside_both_s}
+        return self.p.push_s + extra[self.trainer_busy, decoding]
 
     def _publish(self, version: int) -> None:
         self.published = max(self.published, version)

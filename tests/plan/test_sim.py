@@ -89,6 +89,36 @@ def test_push_time_delays_gated_requests_and_pause_stops_the_server():
     assert r.server_busy[0] == pytest.approx(0.11 / 0.13, rel=0.02)  # decoding + paused, not waiting
 
 
+def test_a_push_takes_longer_beside_the_work_that_runs_with_it():
+    beside = {"push_beside_train_s": 0.15, "push_beside_decode_s": 1.0, "push_beside_both_s": 1.0}
+    # on-policy: as a step's push starts, the trainer has nothing to train and the server nothing it may decode,
+    # so the push is alone: the extras change nothing (128 samples per 0.1 s of decoding + 0.02 s of push)
+    on_policy = dataclasses.replace(BASE, max_lag=0)
+    r = simulate(flat_profile(push=0.02).model_copy(update=beside), on_policy)
+    assert steady(r) == pytest.approx(128 / 0.12, rel=1e-6)
+    # trainer-bound (0.2 s a step at 6400 tok/s, decoding 0.1 s, max_lag 4): the next step's groups are in when a
+    # push starts (the trainer trains beside it) and the server has decoded all it may (idle): the push takes
+    # 0.1 + 0.15 s, and each optimizer step waits for the push before it, so a step takes 0.25 s, not 0.2
+    trainer_bound = dataclasses.replace(BASE, max_lag=4, steps=24)
+    alone = simulate(flat_profile(tok_s=6400.0, push=0.1), trainer_bound)
+    assert steady(alone, 8) == pytest.approx(128 / 0.2, rel=1e-6)
+    r = simulate(flat_profile(tok_s=6400.0, push=0.1).model_copy(update=beside), trainer_bound)
+    assert steady(r, 8) == pytest.approx(128 / 0.25, rel=1e-6)
+
+
+def test_the_push_extra_follows_the_trainer_and_the_servers_at_its_start():
+    from inflight.plan.sim import Simulator
+
+    prof = flat_profile(push=0.01).model_copy(update={
+        "push_beside_train_s": 0.002, "push_beside_decode_s": 0.003, "push_beside_both_s": 0.007})
+    sim = Simulator(prof, dataclasses.replace(BASE, servers=2))
+    for training, decoding, seconds in ((False, False, 0.01), (True, False, 0.012), (False, True, 0.013),
+                                        (True, True, 0.017)):
+        sim.trainer_busy = training
+        sim.servers[1].chunk = (1, 0.0, 0.0, 0.01, 5, 8) if decoding else None  # one server of two decoding is enough
+        assert sim._push_s() == pytest.approx(seconds)
+
+
 def test_lag_histograms():
     on_policy = simulate(flat_profile(), dataclasses.replace(BASE, max_lag=0, lengths=Lengths("uniform:1:40")))
     assert set(on_policy.lag_hist) == {0}
