@@ -15,8 +15,8 @@ Each factor is slowed / alone (>= 1 by construction of the model: a ratio under 
 
 The push slows down too, and more: its threads (the trainer's, the server's receiving one) hand work to each other
 and each hand-off waits for a core or an interpreter. measure_push_beside times it alone, while the trainer trains,
-while the server decodes, and while both do, as in a pipelined run (demo model here: 8 ms alone, 10-11 beside
-training, 12-15 beside decoding, 18-22 beside both).
+while the server decodes, and while both do, as in a pipelined run (demo model here: 8 ms alone, +2.5-3.9 ms
+beside training, +2.7-3.9 beside decoding, +8.2-9.0 beside both: on 2 cores, more than the sum).
 """
 
 from __future__ import annotations
