@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
 def measure_corun(cfg, prompt: int, completion: int, push: bool) -> dict[str, float]:
     """Profile.trainer_corun / server_corun: the trainer's step beside a server decoding a step's batch, and back;
-    with `push`, also what a push takes more beside each (push_beside_train_s, push_beside_decode_s)."""
+    with `push`, also what a push takes more beside each and beside both (push_beside_*_s)."""
     from inflight.plan.corun import measure_interference, measure_push_beside
     from inflight.plan.measure import trainer_bench
 
