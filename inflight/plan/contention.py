@@ -12,7 +12,9 @@ factor (`trainer_corun` / `server_corun`, corun.py: shared cache and memory band
 a server computed together; the profile's figures are divided by
 those slowdowns and the loop simulated again, until the slowdowns settle (a fixed point, damped). Overlap is thus
 taken from the simulated loop itself: in sync mode, where generation and training alternate, the trainer runs at
-its own speed; pipelined, it shares the cores with the server and the actor.
+its own speed; pipelined, it shares the cores with the server and the actor. What sharing leaves out, the wait of a
+thread that wakes up to find every core taken, the simulator adds itself on a group's path (given `cores`:
+Simulator._wake_wait, from the profile's wake-up counts and wait).
 """
 
 from __future__ import annotations
@@ -67,12 +69,12 @@ def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_thre
                     server_threads: float = 1.0, actor_threads: float = 1.0, passes: int = 8) -> SimResult:
     """simulate() with the roles sharing `cores` cores. The result's extra["slowdown"] gives the settled factors."""
     s = (1.0, 1.0, 1.0)
-    result = simulate(profile, cfg, occupancy=True)
+    result = simulate(profile, cfg, occupancy=True, cores=cores)
     for _ in range(passes):
         spin = min(1.0, profile.server_http_spin / profile.server_http_stall) if profile.server_http_stall else 0.0
         new = slowdowns(result.extra["occupancy"], cores, trainer_threads, server_threads, actor_threads,
                         (profile.trainer_corun, profile.server_corun), spin)
         s = tuple((a + b) / 2 for a, b in zip(s, new, strict=True))  # damped: the overlap moves with the speeds
-        result = simulate(slowed(profile, *s), cfg, occupancy=True)
+        result = simulate(slowed(profile, *s), cfg, occupancy=True, cores=cores)
     result.extra["slowdown"] = dict(zip(("trainer", "server", "actor"), s, strict=True))
     return result

@@ -157,3 +157,42 @@ def measure_push_beside(cfg: Any, train_step: Callable[[], float], batch: int, t
     return {"push_beside_train_s": max(0.0, med[False, True] - alone),
             "push_beside_decode_s": max(0.0, med[True, False] - alone - boundary),
             "push_beside_both_s": max(0.0, med[True, True] - alone - boundary)}
+
+
+def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
+    """Seconds a thread that wakes up waits for a core while every core is taken: a thread of this process that
+    sleeps 1 ms and computes 0.2 ms, over and over, beside `cores` (default: this process's cores) busy processes;
+    its wait for a core per time it was put on one (/proc/self/task/<tid>/schedstat). The actor wakes up a few
+    times per group it handles (a reply, its reward, the stream put): on shared cores each wake-up waits this."""
+    import os
+    import subprocess
+    import sys
+
+    from inflight.plan.reply import _schedstat_fields
+
+    cores = cores or len(os.sched_getaffinity(0))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    out: list[float] = []
+
+    def waker() -> None:
+        tid = threading.get_native_id()
+        time.sleep(0.3)  # the busy processes under way
+        a = _schedstat_fields(os.getpid(), tid)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            time.sleep(0.001)
+            spin = time.perf_counter() + 0.0002
+            while time.perf_counter() < spin:
+                pass
+        b = _schedstat_fields(os.getpid(), tid)
+        out.append((b[1] - a[1]) / max(1, b[2] - a[2]))
+
+    try:
+        t = threading.Thread(target=waker, name="wakeup-probe")
+        t.start()
+        t.join()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    return out[0]

@@ -157,6 +157,12 @@ class Profile(_Strict):
     # for that share of its stall it wants a core (contention.py)
     server_http_spin: float = Field(0.0, ge=0)
     actor_s_per_token: float = Field(0.0, ge=0)
+    # times the actor's event loop and a server's HTTP thread are put on a CPU per group they handle (reply.py counts
+    # them), and the wait for a core of a thread that wakes up while every core is taken (corun.py): where roles
+    # share cores, each of those wake-ups waits that long (a latency on the group's path, not work)
+    actor_wakeups_per_group: float = Field(0.0, ge=0)
+    server_wakeups_per_group: float = Field(0.0, ge=0)
+    wakeup_wait_s: float = Field(0.0, ge=0)
     # per group on the trainer, besides back-propagating it: reading it from the stream and decoding it (every
     # group, trained samples or not)
     trainer_s_per_group: float = Field(0.0, ge=0)

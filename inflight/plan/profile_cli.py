@@ -107,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
     reply: dict[str, float] = {}
     if not args.server and not args.no_reply and cfg.server.engine == "builtin":
+        from inflight.plan.corun import measure_wakeup_wait
+
         reply = measure_reply(cfg, args.reply_lengths)
+        reply["wakeup_wait_s"] = measure_wakeup_wait()
+        print(f"a thread waking up while every core is taken waits {reply['wakeup_wait_s'] * 1e3:.3f} ms for one")
     if args.actor_s_per_group is not None:
         reply.update(actor_s_per_group=args.actor_s_per_group, actor_s_per_token=0.0)
     if args.no_trainer:
@@ -171,7 +175,10 @@ def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
               f"{c.reward_s * 1e3:.2f} ms, trainer stream read {c.trainer_s * 1e3:.2f} ms (CPU time)")
     for c in (lo, hi):
         c.actor_s += c.reward_s
-    out = {}
+    out = {"actor_wakeups_per_group": (lo.actor_wakeups + hi.actor_wakeups) / 2,
+           "server_wakeups_per_group": (lo.server_wakeups + hi.server_wakeups) / 2}
+    print(f"woken per group: the actor's loop {out['actor_wakeups_per_group']:.1f} times, the server's HTTP thread "
+          f"{out['server_wakeups_per_group']:.1f}")
     for role in ("server", "actor", "trainer"):
         out[f"{role}_s_per_group"], out[f"{role}_s_per_token"] = line(lo, hi, f"{role}_s")
     # the server's fixed part, split: what the requests cost when they arrive, the rest when the group is answered

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,16 +50,21 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float:
 def schedstat_s(pid: int, tid: int | None = None) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting for one) of one thread (tid) or of every thread of a process,
     from /proc/<pid>/task/<tid>/schedstat ((0.0, 0.0) when it has exited)."""
+    return _schedstat_fields(pid, tid)[:2]
+
+
+def _schedstat_fields(pid: int, tid: int | None = None) -> tuple[float, float, int]:
+    """schedstat_s and the times put on a CPU (each wake-up, each preemption ended)."""
     tasks = [str(tid)] if tid is not None else _listdir(f"/proc/{pid}/task")
-    cpu = wait = 0
+    cpu = wait = runs = 0
     for t in tasks:
         try:
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:
                 fields = f.read().split()
-            cpu, wait = cpu + int(fields[0]), wait + int(fields[1])
+            cpu, wait, runs = cpu + int(fields[0]), wait + int(fields[1]), runs + int(fields[2])
         except (OSError, ValueError, IndexError):
             continue
-    return cpu / 1e9, wait / 1e9
+    return cpu / 1e9, wait / 1e9, runs
 
 
 def _listdir(path: str) -> list[str]:
@@ -96,6 +102,8 @@ class ReplyCost:
     reward_s: float  # the reward workers (counted with the actor)
     trainer_s: float  # stream get + decode
     wall_s: float  # the round, for the record
+    actor_wakeups: float = 0.0  # times the actor's event loop was put on a CPU, per group (it waits for one each time)
+    server_wakeups: float = 0.0  # the same of the server's main thread (its requests and reply)
 
     @property
     def tokens(self) -> int:
@@ -256,7 +264,11 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                 workers = [p for p in children_of(me) if p != server_pid]  # reward workers (+ mp's helpers)
                 s0, a0, r0, w0 = (thread_cpu_s(server_pid, server_pid), time.process_time(),
                                   sum(thread_cpu_s(p) for p in workers), time.perf_counter())
+                runs0 = (_schedstat_fields(me, threading.get_native_id())[2],  # the actor's loop: this thread
+                         _schedstat_fields(server_pid, server_pid)[2])
                 await actor.generate_round(groups)
+                runs = (_schedstat_fields(me, threading.get_native_id())[2] - runs0[0],
+                        _schedstat_fields(server_pid, server_pid)[2] - runs0[1])
                 wall = time.perf_counter() - w0
                 t0 = time.thread_time()
                 got = 0
@@ -269,7 +281,8 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                 s1, a1, r1 = (thread_cpu_s(server_pid, server_pid), time.process_time(),
                               sum(thread_cpu_s(p) for p in workers))
                 out.append(ReplyCost(length, cfg.actor.group_size, groups, (s1 - s0) / groups,
-                                     (a1 - a0 - trainer) / groups, (r1 - r0) / groups, trainer / groups, wall))
+                                     (a1 - a0 - trainer) / groups, (r1 - r0) / groups, trainer / groups, wall,
+                                     runs[0] / groups, runs[1] / groups))
             request_s = await _request_cost(actor, server_pid, groups, lengths[0])
             per_request = request_s / (1 if cfg.actor.use_n else cfg.actor.group_size)
             batch = min(cfg.server.max_batch, cfg.actor.group_size * cfg.actor.groups_per_step)

@@ -27,8 +27,10 @@ What it models, as the code does:
   for all of its num_grad_steps x groups_per_step groups, and the push follows the round's last step. A push takes
   push_s, plus push_beside_train_s if the trainer starts its next step at once, push_beside_decode_s if a server
   is decoding as it starts, push_beside_both_s if both (the push's threads share cores and interpreters with them).
-Not modelled: CPU cores shared between roles (contention.py: from the busy threads this records), evaluation
-requests, failures, the actor's HTTP concurrency.
+Where the roles share `cores` cores, each wake-up of the actor's loop and of a server's HTTP thread to handle a
+group waits wakeup_wait_s while the other threads take every core. Not modelled here: the roles' slowing each
+other on shared cores (contention.py: from the busy threads this records), evaluation requests, failures, the
+actor's HTTP concurrency.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, cfg: SimConfig, occupancy: bool = False):
+    def __init__(self, profile: Profile, cfg: SimConfig, occupancy: bool = False, cores: float = 0.0):
         self.p, self.cfg = profile, cfg
+        self.cores = cores  # the roles share this many cores (0: each on devices of its own)
         self.track = occupancy  # record the busy states (contention.py needs them; O(servers) per event)
         self.rng = random.Random(cfg.seed)
         self.events: list[tuple[float, int, str, object]] = []
@@ -313,14 +316,35 @@ class Simulator:
                 completion = sum(g.lengths)
                 reply = self.p.server_reply_s(completion)
                 cost += reply
-                sent = self._http(srv, reply)  # the replies go out one after another
-                self.actor_free = max(sent, self.actor_free) + self.p.actor_reply_s(completion)
+                # the replies go out one after another; waking up for each waits where the cores are taken
+                sent = self._http(srv, reply + self._wake_wait(self.p.server_wakeups_per_group, srv))
+                self.actor_free = (max(sent, self.actor_free) + self.p.actor_reply_s(completion)
+                                   + self._wake_wait(self.p.actor_wakeups_per_group))
                 self._at(self.actor_free + self.p.overhead_s, "group", g)
                 self._actor()
         if cost * self.stall > 0:  # the engine thread loses its share while the HTTP thread answers
             self._pause(srv, cost * self.stall, stalled=True)
             return
         self._kick_soon(srv)
+
+    def _wake_wait(self, wakeups: float, http: _Server | None = None) -> float:
+        """Where the roles share cores, the waits for one of a thread that wakes up `wakeups` times to handle a
+        group (the actor's loop; with `http`, that server's HTTP thread): each wake-up waits wakeup_wait_s while the
+        other threads (the trainer's, the push's, each engine with sequences to run, the busy HTTP threads, the
+        actor) take every core. A latency on that thread's path, which the occupancy counts as its work."""
+        if not self.cores or not wakeups:
+            return 0.0
+        others = (int(self.trainer_busy) + int(self.push_end > self.now)
+                  + sum(s.chunk is not None or (s.paused and not s.stalled) or self._unfinished(s)
+                        for s in self.servers)
+                  + sum(s.http_free > self.now for s in self.servers if s is not http)
+                  + int(http is not None and self.actor_free > self.now))
+        return wakeups * self.p.wakeup_wait_s if others >= self.cores else 0.0
+
+    @staticmethod
+    def _unfinished(srv: _Server) -> bool:
+        """Sequences left to decode (a run that just ended: its last steps' sequences are being answered)."""
+        return any(finish > srv.counter for finish, *_ in srv.heap)
 
     def _pause(self, srv: _Server, seconds: float, stalled: bool = False) -> None:
         srv.busy += seconds
@@ -425,7 +449,8 @@ class Simulator:
         self._actor()
 
 
-def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False) -> SimResult:
+def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False, cores: float = 0.0) -> SimResult:
     """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
-    spent in each (trainer threads, engine threads, stalled engine threads, HTTP threads, actor) busy state."""
-    return Simulator(profile, cfg, occupancy).run()
+    spent in each (trainer threads, engine threads, stalled engine threads, HTTP threads, actor) busy state; `cores`:
+    the roles share that many cores (the actor's wake-ups then wait for one: Simulator._wake_wait)."""
+    return Simulator(profile, cfg, occupancy, cores).run()

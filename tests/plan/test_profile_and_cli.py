@@ -131,6 +131,10 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
         assert 0 < reply < 0.5
     assert "measured by `inflight profile" in p.source
     assert 1.0 <= p.trainer_corun < 3.0 and 1.0 <= p.server_corun < 3.0  # measured beside each other (corun.py)
+    # the actor's loop and the server's HTTP thread wake up to handle each group (counted on the real code), and a
+    # thread that wakes beside as many busy processes as there are cores waits for one (corun.py)
+    assert 1 <= p.actor_wakeups_per_group < 200 and 0 < p.server_wakeups_per_group < 200
+    assert 0 < p.wakeup_wait_s < 0.05
     saved = json.loads(out.read_text())  # the push beside training, decoding and both (corun.py): what it adds
     assert all(0.0 <= saved[f"push_beside_{k}_s"] < 1.0 for k in ("train", "decode", "both"))
     if len(os.sched_getaffinity(0)) >= 2:  # the decoding the server's HTTP work costs (reply.py: 2 cores)

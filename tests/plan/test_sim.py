@@ -119,6 +119,41 @@ def test_the_push_extra_follows_the_trainer_and_the_servers_at_its_start():
         assert sim._push_s() == pytest.approx(seconds)
 
 
+def test_wake_ups_wait_for_a_core_only_where_the_other_threads_take_every_core():
+    # on-policy, 16 groups end together at 0.1 s; the server's HTTP thread answers them one after another (0.5 ms
+    # each) and the actor handles each in 2 ms, waking up twice: on 1 core, beside the busy HTTP thread, each
+    # wake-up waits 1 ms, so the last group reaches the trainer at 0.1 + 0.0005 + 16 x (0.002 + 0.002)
+    prof = flat_profile().model_copy(update={"server_s_per_group": 0.0005, "server_http_stall": 0.0,
+                                             "actor_s_per_group": 0.002, "actor_wakeups_per_group": 2.0,
+                                             "wakeup_wait_s": 0.001})
+    on_policy = dataclasses.replace(BASE, max_lag=0)
+    assert steady(simulate(prof, on_policy, cores=1)) == pytest.approx(128 / 0.1645, rel=1e-6)
+    # each role on its own device (cores 0), or 2 cores for the HTTP thread alone: no wait
+    assert steady(simulate(prof, on_policy)) == pytest.approx(128 / 0.1325, rel=1e-6)
+    assert steady(simulate(prof, on_policy, cores=2)) == pytest.approx(128 / 0.1325, rel=1e-6)
+
+
+def test_a_wake_up_waits_when_the_other_threads_fill_the_cores():
+    from inflight.plan.sim import Simulator
+
+    prof = flat_profile().model_copy(update={"wakeup_wait_s": 0.001})
+    sim = Simulator(prof, dataclasses.replace(BASE, servers=2), cores=2)
+    a, b = sim.servers
+    assert sim._wake_wait(3.0) == 0.0  # nothing else runs
+    sim.trainer_busy = True
+    assert sim._wake_wait(3.0) == 0.0  # one thread on 2 cores: one is free
+    a.chunk = (1, 0.0, 0.0, 0.01, 5, 8)
+    assert sim._wake_wait(3.0) == pytest.approx(0.003)  # the trainer and an engine: both cores taken
+    a.chunk = None
+    a.http_free = 1.0  # a's HTTP thread busy: it counts for the actor and for b's HTTP thread, not for its own
+    assert sim._wake_wait(3.0) == pytest.approx(0.003)
+    assert sim._wake_wait(2.0, http=b) == pytest.approx(0.002)
+    assert sim._wake_wait(2.0, http=a) == 0.0
+    sim.actor_free = 1.0  # the actor busy too: a's HTTP thread then waits
+    assert sim._wake_wait(2.0, http=a) == pytest.approx(0.002)
+    assert Simulator(prof, BASE)._wake_wait(3.0) == 0.0  # roles on devices of their own (cores 0)
+
+
 def test_lag_histograms():
     on_policy = simulate(flat_profile(), dataclasses.replace(BASE, max_lag=0, lengths=Lengths("uniform:1:40")))
     assert set(on_policy.lag_hist) == {0}
