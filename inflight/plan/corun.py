@@ -168,7 +168,7 @@ def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
     import subprocess
     import sys
 
-    from inflight.plan.reply import _schedstat_fields
+    from inflight.plan.reply import schedstat_fields
 
     cores = cores or len(os.sched_getaffinity(0))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
@@ -177,14 +177,14 @@ def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
     def waker() -> None:
         tid = threading.get_native_id()
         time.sleep(0.3)  # the busy processes under way
-        a = _schedstat_fields(os.getpid(), tid)
+        a = schedstat_fields(os.getpid(), tid)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             time.sleep(0.001)
             spin = time.perf_counter() + 0.0002
             while time.perf_counter() < spin:
                 pass
-        b = _schedstat_fields(os.getpid(), tid)
+        b = schedstat_fields(os.getpid(), tid)
         out.append((b[1] - a[1]) / max(1, b[2] - a[2]))
 
     try:

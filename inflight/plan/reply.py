@@ -23,7 +23,9 @@ core of its own so that only the lock (not a shared core) can slow it: seconds l
 the engine thread's own CPU meanwhile (handing the lock back and forth: it still wants a core for that share).
 
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
-engine thread and is in the decode curve already. Each role is timed at two lengths L1 < L2 and written as
+engine thread and is in the decode curve already. The same file counts how many times the actor's loop and the
+server's main thread were put on a CPU during the rounds: their wake-ups per group, each of which waits for a core
+where the roles share cores that are all taken (corun.measure_wakeup_wait). Each role is timed at two lengths L1 < L2 and written as
 seconds per group + seconds per completion token (a line through the two points, each cost >= 0).
 """
 
@@ -50,10 +52,10 @@ def thread_cpu_s(pid: int, tid: int | None = None) -> float:
 def schedstat_s(pid: int, tid: int | None = None) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting for one) of one thread (tid) or of every thread of a process,
     from /proc/<pid>/task/<tid>/schedstat ((0.0, 0.0) when it has exited)."""
-    return _schedstat_fields(pid, tid)[:2]
+    return schedstat_fields(pid, tid)[:2]
 
 
-def _schedstat_fields(pid: int, tid: int | None = None) -> tuple[float, float, int]:
+def schedstat_fields(pid: int, tid: int | None = None) -> tuple[float, float, int]:
     """schedstat_s and the times put on a CPU (each wake-up, each preemption ended)."""
     tasks = [str(tid)] if tid is not None else _listdir(f"/proc/{pid}/task")
     cpu = wait = runs = 0
@@ -264,11 +266,11 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                 workers = [p for p in children_of(me) if p != server_pid]  # reward workers (+ mp's helpers)
                 s0, a0, r0, w0 = (thread_cpu_s(server_pid, server_pid), time.process_time(),
                                   sum(thread_cpu_s(p) for p in workers), time.perf_counter())
-                runs0 = (_schedstat_fields(me, threading.get_native_id())[2],  # the actor's loop: this thread
-                         _schedstat_fields(server_pid, server_pid)[2])
+                runs0 = (schedstat_fields(me, threading.get_native_id())[2],  # the actor's loop: this thread
+                         schedstat_fields(server_pid, server_pid)[2])
                 await actor.generate_round(groups)
-                runs = (_schedstat_fields(me, threading.get_native_id())[2] - runs0[0],
-                        _schedstat_fields(server_pid, server_pid)[2] - runs0[1])
+                runs = (schedstat_fields(me, threading.get_native_id())[2] - runs0[0],
+                        schedstat_fields(server_pid, server_pid)[2] - runs0[1])
                 wall = time.perf_counter() - w0
                 t0 = time.thread_time()
                 got = 0
