@@ -452,5 +452,5 @@ class Simulator:
 def simulate(profile: Profile, cfg: SimConfig, occupancy: bool = False, cores: float = 0.0) -> SimResult:
     """Runs the loop until cfg.steps optimizer steps; with `occupancy`, result.extra["occupancy"] holds the seconds
     spent in each (trainer threads, engine threads, stalled engine threads, HTTP threads, actor) busy state; `cores`:
-    the roles share that many cores (the actor's wake-ups then wait for one: Simulator._wake_wait)."""
+    the roles share that many cores (wake-ups then wait for one: Simulator._wake_wait)."""
     return Simulator(profile, cfg, occupancy, cores).run()
