@@ -141,7 +141,9 @@ def test_thousand_concurrent_mixed_requests(tiny_model_dir):
             stats.append(dict(ok=len(ok), rejected=codes.count(429), wall_s=wall, tokens=tokens,
                               tok_per_s=tokens / wall, req_per_s=len(ok) / wall,
                               p50_s=ok[len(ok) // 2], p99_s=ok[int(len(ok) * 0.99) - 1]))
-            assert len(ok) >= 32 and codes.count(429) > 0  # both paths taken: answered and cleanly rejected
+            # whether the engine's queue fills depends on how fast the HTTP layer feeds it on this machine (one CI
+            # run answered all 1,000): the 429 path itself is pinned by test_queue_limit_answers_429_and_frees_slots
+            assert len(ok) >= 32 and all(r["code"] == "queue_full" for r in results if r["status"] == 429)
         for i, s in enumerate(stats):
             print(f"wave {i + 1}: {s['ok']} answered, {s['rejected']} rejected (429) in {s['wall_s']:.1f} s; "
                   f"{s['tok_per_s']:.0f} generated tok/s, {s['req_per_s']:.1f} answered req/s, "
