@@ -160,7 +160,7 @@ def measure_push_beside(cfg: Any, train_step: Callable[[], float], batch: int, t
 
 
 def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
-    """Seconds a thread that wakes up waits for a core while every core is taken: a thread of this process that
+    """Seconds a thread that wakes up waits for a core while every core is taken: the calling thread, which
     sleeps 1 ms and computes 0.2 ms, over and over, beside `cores` (default: this process's cores) busy processes;
     its wait for a core per time it was put on one (/proc/self/task/<tid>/schedstat). The actor wakes up a few
     times per group it handles (a reply, its reward, the stream put): on shared cores each wake-up waits this."""
@@ -172,27 +172,19 @@ def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
 
     cores = cores or len(os.sched_getaffinity(0))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
-    out: list[float] = []
-
-    def waker() -> None:
-        tid = threading.get_native_id()
+    me = os.getpid(), threading.get_native_id()
+    try:
         time.sleep(0.3)  # the busy processes under way
-        a = schedstat_fields(os.getpid(), tid)
+        a = schedstat_fields(*me)
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             time.sleep(0.001)
             spin = time.perf_counter() + 0.0002
             while time.perf_counter() < spin:
                 pass
-        b = schedstat_fields(os.getpid(), tid)
-        out.append((b[1] - a[1]) / max(1, b[2] - a[2]))
-
-    try:
-        t = threading.Thread(target=waker, name="wakeup-probe")
-        t.start()
-        t.join()
+        b = schedstat_fields(*me)
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    return out[0]
+    return (b[1] - a[1]) / max(1, b[2] - a[2])
