@@ -514,7 +514,17 @@ def test_interrupt_lands_with_admission_and_mid_chunked_prefill(tiny_model_dir):
     prompt is half-way through its chunked prefill: every token still matches a fresh forward of its version."""
     eng = fresh_engine(tiny_model_dir, max_tokens_per_step=8)
     w1, w2 = perturbed(eng, seed=31), perturbed(eng, seed=32)
-    long_prompt = ids(140, start=3)  # ~14 steps of prefill left at the second update: a margin for a busy host
+    long_prompt = ids(140, start=3)
+    mid, queued = threading.Event(), threading.Event()
+    step = eng._step
+
+    def step_then_wait_mid_prefill():  # the engine thread waits, once, until the second update is queued
+        step()
+        if not mid.is_set() and eng.stats()["prefill_tokens_total"] >= 30:  # 8 prompt tokens per step
+            mid.set()
+            queued.wait(10)
+
+    eng._step = step_then_wait_mid_prefill
 
     async def main():
         entered, gate = threading.Event(), threading.Event()
@@ -527,9 +537,11 @@ def test_interrupt_lands_with_admission_and_mid_chunked_prefill(tiny_model_dir):
         await asyncio.sleep(0.02)
         gate.set()  # next iteration: the update, then both admissions
         await hold, upd
-        while eng.stats()["prefill_tokens_total"] < 30:  # the long prompt is mid-prefill (8 tokens per step)
-            await asyncio.sleep(0)
-        await eng.run_paused(lambda: eng.load_weights(w2, 2, mode="interrupt"))
+        await asyncio.get_running_loop().run_in_executor(None, mid.wait, 10)
+        upd2 = asyncio.create_task(eng.run_paused(lambda: eng.load_weights(w2, 2, mode="interrupt")))
+        await asyncio.sleep(0)  # run_paused has queued the update
+        queued.set()
+        await upd2
         return await a, await b
 
     try:
