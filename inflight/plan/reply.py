@@ -25,8 +25,9 @@ the engine thread's own CPU meanwhile (handing the lock back and forth: it still
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
 engine thread and is in the decode curve already. The same file counts how many times the actor's loop and the
 server's main thread were put on a CPU during the rounds: their wake-ups per group, each of which waits for a core
-where the roles share cores that are all taken (corun.measure_wakeup_wait). Each role is timed at two lengths L1 < L2 and written as
-seconds per group + seconds per completion token (a line through the two points, each cost >= 0).
+where the roles share cores that are all taken (corun.measure_wakeup_wait). Each role is timed at two lengths
+L1 < L2 and written as seconds per group + seconds per completion token (a line through the two points, each
+cost >= 0).
 """
 
 from __future__ import annotations
