@@ -1,7 +1,8 @@
 """Trainer probe of the GPU smoke (scripts/gpu_smoke.py runs it in its own process, so a crash or a hung collective
 is contained and its memory is freed): FSDP2 at world size WORLD_SIZE (env, set by the caller with RANK, MASTER_ADDR,
-MASTER_PORT), one packed step of `--tokens` tokens in one micro-batch, the optimizer step, `named_weights`, and the
-checkpoint (inflight's own `save_checkpoint`, read back with transformers).
+MASTER_PORT), one packed step of `--tokens` tokens in one micro-batch, the optimizer step, `named_weights`, a
+second step timed warm (the steady rate), and the checkpoint (inflight's own `save_checkpoint`, read back with
+transformers).
 
     python scripts/smoke_trainer.py --model DIR --device cuda --tokens 16384 --out probe.json
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -85,14 +85,25 @@ def main() -> int:
     if cuda:
         torch.cuda.synchronize()
     step_s = time.perf_counter() - t1
+    changed = {n for n, w in engine.named_weights() if not torch.equal(before[n], w.detach().float().cpu())}
+    # the first step pays for kernel selection and the optimizer's state: a second one gives the steady rate
+    acc = StepAccumulator(engine, make_loss(AlgoConfig()), a.tokens, len(samples), n_tok, merge=merge_stats)
+    t1 = time.perf_counter()
+    acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
+    acc.finish()
+    if cuda:
+        torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t1
     after = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
     figures = {
         "world_size": getattr(engine, "world_size", 1), "load_s": load_s, "packed_tokens": a.tokens,
-        "micro_batches": stats["micro_batches"], "step_s": step_s,
-        "trainer_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / step_s,  # every rank trains --tokens
+        "micro_batches": stats["micro_batches"], "step_s": step_s, "warm_step_s": warm_s,
+        # every rank trains --tokens; the second step's rate (the first's: first_step_tokens_per_s)
+        "trainer_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / warm_s,
+        "first_step_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / step_s,
         "ratio_mean": stats.get("ratio_mean"), "grad_norm": stats.get("grad_norm"),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "named_weights": len(after), "changed_weights": sum(not torch.equal(before[n], after[n]) for n in after),
+        "named_weights": len(after), "changed_weights": len(changed),  # by the first step
     }
     root = Path(tempfile.mkdtemp(prefix="smoke-ckpt-"))
     t2 = time.perf_counter()
