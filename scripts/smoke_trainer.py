@@ -78,29 +78,27 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
-    acc = StepAccumulator(engine, make_loss(AlgoConfig()), a.tokens, len(samples), n_tok, merge=merge_stats)
-    t1 = time.perf_counter()
-    acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
-    stats = acc.finish()
-    if cuda:
-        torch.cuda.synchronize()
-    step_s = time.perf_counter() - t1
+
+    def timed_step() -> tuple[dict, float]:
+        """One optimizer step on the packed batch (half the samples rewarded): its stats and seconds."""
+        acc = StepAccumulator(engine, make_loss(AlgoConfig()), a.tokens, len(samples), n_tok, merge=merge_stats)
+        t = time.perf_counter()
+        acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
+        out = acc.finish()
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t
+
+    stats, step_s = timed_step()
     changed = {n for n, w in engine.named_weights() if not torch.equal(before[n], w.detach().float().cpu())}
     # the first step pays for kernel selection and the optimizer's state: a second one gives the steady rate
-    acc = StepAccumulator(engine, make_loss(AlgoConfig()), a.tokens, len(samples), n_tok, merge=merge_stats)
-    t1 = time.perf_counter()
-    acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
-    acc.finish()
-    if cuda:
-        torch.cuda.synchronize()
-    warm_s = time.perf_counter() - t1
+    _, warm_s = timed_step()
     after = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
+    tokens = a.tokens * getattr(engine, "world_size", 1)  # every rank trains --tokens
     figures = {
         "world_size": getattr(engine, "world_size", 1), "load_s": load_s, "packed_tokens": a.tokens,
         "micro_batches": stats["micro_batches"], "step_s": step_s, "warm_step_s": warm_s,
-        # every rank trains --tokens; the second step's rate (the first's: first_step_tokens_per_s)
-        "trainer_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / warm_s,
-        "first_step_tokens_per_s": a.tokens * getattr(engine, "world_size", 1) / step_s,
+        "trainer_tokens_per_s": tokens / warm_s, "first_step_tokens_per_s": tokens / step_s,
         "ratio_mean": stats.get("ratio_mean"), "grad_norm": stats.get("grad_norm"),
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "named_weights": len(after), "changed_weights": len(changed),  # by the first step
@@ -108,8 +106,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="smoke-ckpt-"))
     t2 = time.perf_counter()
     if rank == 0:
-        path = save_checkpoint(root, "step-1", engine, CheckpointState(step=1, version=1,
-                                                                          samples_trained=len(samples), next_group=1))
+        state = CheckpointState(step=2, version=2, samples_trained=2 * len(samples), next_group=2)
+        path = save_checkpoint(root, "step-2", engine, state)
     else:  # the other ranks join the collectives of save and train_state, as pipeline/fsdp_loop.py does
         engine.save("")
         engine.train_state()
