@@ -3,10 +3,11 @@ that tensors of a step reuse it; objects alive after start-up leave the garbage 
 
 Why: glibc returns large freed blocks to the OS (mmap'd chunks, and a heap top above its trim threshold), so
 every step's fresh activations and gradients page-fault their memory in again. Measured on the CPU demo's
-trainer step (tiny model, one thread, 3 x 20 steps each): ~1,400 page faults per step and 0.088-0.095 s per step,
-against 1-40 faults and 0.079-0.085 s with the memory kept (docs/benchmarks.md). The engine's tiny-model decode at
-batch 32 went from 11-13k to 18-19k tokens/s in two alternating rounds of bench/engine.py; the other sizes did not
-move. PyTorch's CUDA allocator keeps its blocks for the same reason; on CPU it calls malloc directly.
+trainer step (tiny model, one thread, 3 x 20 steps each; bench/trainer.py --rl-step, 2026-12-02): ~1,400 page
+faults per step and 0.088-0.095 s per step, against 1-40 faults and 0.079-0.085 s with the memory kept. The
+engine's tiny-model decode at batch 32 went from 11-13k to 18-19k tokens/s in two alternating rounds of
+bench/engine.py; the other sizes did not move. PyTorch's CUDA allocator keeps its blocks for the same reason; on
+CPU it calls malloc directly.
 
 `retain_freed_memory()` raises the mmap threshold to glibc's maximum (32 MiB: larger tensors still get their own
 mapping) and the trim threshold to 1 GiB; the heap then stays at the process's peak. The role processes (trainer,
@@ -51,7 +52,7 @@ def freeze_startup_objects() -> None:
     Why: a role process holds hundreds of thousands of start-up objects, and Python's full (generation 2)
     collection, which a steady stream of requests or steps triggers every few seconds, walked all of them: in a
     pipelined CPU demo run, 250-375 ms per collection in the server (16 in 48 s), up to 340 ms in the trainer, each
-    one stalling the server's generation or the trainer's step (docs/benchmarks.md). Objects made later are collected
+    one stalling the server's generation or the trainer's step (measured 2026-12-02). Objects made later are collected
     as before."""
     gc.collect()
     gc.freeze()

@@ -16,7 +16,7 @@ verifiers only credit an answer that ends the reply (inflight/tasks/answer.py), 
 in every mode; the modes differ in whether the cut-off reply trains and what a cut-off correct box earns.
 Held-out accuracy counts finished replies only, whatever the mode (inflight/actor/evaluate.py).
 
-Default `zero_reward`: measured on the demo (docs/benchmarks.md, "Truncated completions"), it kept completions ending
+Default `zero_reward`: measured on the demo (docs/benchmarks.md, "Completions cut off"), it kept completions ending
 to the last step with the strict verifier and with a lenient one, needs no parameter, and touches only cut-off
 completions; `mask` let the policy escape into the limit (100% cut off) when the verifier was lenient.
 """
