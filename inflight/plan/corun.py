@@ -3,7 +3,7 @@
 contention.py's processor sharing only slows roles down when they want more threads than there are cores. Two
 compute-bound roles on two separate cores still slow each other: they share the last-level cache and the memory
 bandwidth (on the 2-core CPU here, six measurements: the trainer 1.00-1.23x slower beside a decoding server, the
-server 1.08-1.35x slower beside the trainer; issue 26). That factor depends on the machine and the models, so it is
+server 1.08-1.35x slower beside the trainer; 2026-12-03). That factor depends on the machine and the models, so it is
 measured, not guessed:
 
 - trainer: forward + backward + optimizer seconds of the same packed batch, alone and while a real `inflight serve`

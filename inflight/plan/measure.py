@@ -29,7 +29,7 @@ def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: in
                  repeats: int = 3) -> list[list[float]]:
     """timer(batch, prompt_tokens, new_tokens) -> seconds; rows per context (prompt = context - mean new tokens).
     Each point is the median of `repeats` differences, the two lengths timed in turn: one pair alone moved by
-    20-60% between two profiles of the same machine minutes apart (issue 26), more than the simulator's goal."""
+    20-60% between two profiles of one 2-core VM minutes apart (2026-12-03), more than the simulator's goal."""
     rows = []
     for ctx in contexts:
         prompt = max(1, ctx - (n1 + n2) // 2)

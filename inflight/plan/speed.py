@@ -1,7 +1,7 @@
 """How fast this machine runs now, against when a profile was measured: a short re-measurement of two of the
 profile's own points (the trainer's step on the profile's shape, the built-in engine's decode step at one batch).
 
-A shared VM's speed drifts: on the 2-core machine of issue 26 the same config's trainer computed 10.4k, 8.7k and
+A shared VM's speed drifts: on a 2-core VM (2026-12-03) the same config's trainer computed 10.4k, 8.7k and
 6.6k forward tokens/s at different hours, and two profiles of the same machine 20 minutes apart moved predictions by
 up to 40%. A profile predicts a run made at another time only as far as the machine kept its speed, so
 bench/plan_check.py measures this index next to each run and predicts the run from the profile rescaled by it

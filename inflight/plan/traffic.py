@@ -4,7 +4,7 @@
 The decode curve is timed on plain batches: every sequence starts at once, runs to the same length, in slots 0..b-1.
 A run's steps are not like that: groups of n choices join a running batch (a prefill chunk, then the prompt's KV
 copied to the n - 1 other slots), sequences stop at their own stop tokens and leave gaps, and most steps mix these.
-On this CPU the difference is 10-30% per step at the same batch and context (issue 26), larger than the planner's
+On a 2-core CPU the difference was 10-30% per step at the same batch and context (2026-12-03), above the planner's
 goal, so it is measured rather than assumed away.
 
 Measured on the real engine in this process, with the config's prompts (its task's training samples, rendered by the

@@ -92,7 +92,7 @@ def test_scratchpad_lengths_vary_and_are_right():
         ("\\boxed{46} no wait \\boxed{45}", "stop", Verdict.no_answer),
         ("\\boxed{46}\\boxed{46}", "stop", Verdict.no_answer),
         ("\\boxed{46}.", "stop", Verdict.no_answer),  # arith is strict: a tiny model has no reason to add a dot
-        ("\\boxed{46}\\}\\boxed}", "stop", Verdict.no_answer),  # the demo's junk (issue 21), ended
+        ("\\boxed{46}\\}\\boxed}", "stop", Verdict.no_answer),  # junk after the answer, ended
         ("\\boxed{46}\\boxed}\\14", "length", Verdict.truncated),  # ... and cut off by the limit
         ("\\boxed{46}}", "length", Verdict.truncated),
         ("\\boxed{4", "length", Verdict.truncated),
