@@ -1,10 +1,10 @@
-"""Pipelined vs sync at the seeds' scale, ON PAPER: the simulator (inflight/plan) on GPU profiles built from public
+"""Pipelined vs sync at the scale of published runs, ON PAPER: the simulator (inflight/plan) on GPU profiles built from public
 figures (inflight/plan/roofline.py; sources and assumptions in each profile's `_comment` and docs/planning.md).
 Every figure printed is a prediction; nothing here was measured on a GPU.
 
     .venv/bin/python bench/plan_scale.py [--write-profiles] [--steps 8]
 
-Scenarios (the settings the seeds report; what they leave open is an assumption, marked so):
+Scenarios (the settings PipelineRL and AReaL report; what they leave open is an assumption, marked so):
 - pipelinerl: Qwen2.5-7B, 2 nodes x 8 H100 = 16 GPUs, 4096 samples per step (512 prompts x 8, the 8 assumed),
   at most 8192 new tokens, lengths lognormal (median 1500, sigma 0.8: assumed), one GPU per server;
 - areal: DeepSeek-R1-Distill-Qwen-1.5B, 16 nodes x 8 H800 = 128 GPUs, 512 prompts x 16 per step (assumed from the
