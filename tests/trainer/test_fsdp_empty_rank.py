@@ -20,6 +20,7 @@ from .helpers import ReinforceLoss
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~30 s: two processes load the model and take one step
 def test_fsdp2_rank_without_samples(tiny_model_dir, tmp_path):
     out, port, procs = tmp_path / "rank0.pt", free_port(), []
     for rank in range(2):
