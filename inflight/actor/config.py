@@ -10,7 +10,7 @@ class ActorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     use_n: bool = True  # one request with n=G, else G requests
-    concurrency_per_server: int = 64  # outstanding requests per server
+    concurrency_per_server: int = 64  # outstanding requests per server (x group_size sequences with use_n)
     request_timeout_s: float = 120.0
     retries: int = 5
     backoff_s: float = 0.2  # first retry delay; doubles each retry

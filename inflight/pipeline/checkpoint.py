@@ -158,7 +158,9 @@ def restore_trainer(engine: Any, path: str | Path) -> CheckpointState:
                          f"resume it with{'' if has_adapter(path) else 'out'} trainer.lora, as the run was trained")
     if lora:
         engine.load_adapter(str(path))
-    extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True)
+    # FSDP2 reads rank 0's optimizer state only: mapped, not read, the other ranks never bring those tensors in
+    mmap = bool(getattr(engine, "train_state_from_rank0", False))
+    extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True, mmap=mmap)
     if hasattr(engine, "load_train_state"):
         if "optimizer" not in extra:  # FSDP2 checkpoints written before the optimizer state was saved
             raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot be resumed exactly")

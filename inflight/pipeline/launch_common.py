@@ -5,6 +5,7 @@ and the restart limit. It imports neither launcher; `launcher.run_pipeline` pick
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -18,6 +19,8 @@ from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.config import startup_timeout
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
+
+log = logging.getLogger(__name__)
 
 
 def run_dir_of(cfg: Any) -> Path:
@@ -46,11 +49,46 @@ def check_config(cfg: Any) -> None:
     if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
     check_lora_run(cfg)
+    check_ranks(cfg)
+    warn_oversubscribed(cfg)
     if not Path(cfg.model.path).exists():
         raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
     from inflight.modelkit.check import check_model_dir
 
     check_model_dir(cfg.model.path, need_chat_template=True)  # every task sends chat messages
+
+
+def check_ranks(cfg: Any) -> None:
+    """FSDP2 deals each step's groups round-robin to the ranks: an uneven share leaves some ranks idle every step."""
+    t, gps = cfg.trainer, cfg.actor.groups_per_step
+    if t.backend != "fsdp2":
+        return
+    if t.num_processes < 1:
+        raise ValueError(f"trainer.num_processes must be >= 1, got {t.num_processes}")
+    if gps % t.num_processes:
+        raise ValueError(f"actor.groups_per_step ({gps}) must be a multiple of trainer.num_processes "
+                         f"({t.num_processes}) with trainer.backend=fsdp2: every rank trains an equal share of each "
+                         "step's groups")
+
+
+def warn_oversubscribed(cfg: Any) -> None:
+    """Sequences the actor keeps in flight beyond what the launched servers decode at once wait in the servers'
+    queues, and actor.request_timeout_s counts that wait: requests time out and are retried."""
+    if cfg.pipeline.server_urls:  # servers run elsewhere: their batch limits are not in this config
+        return
+    a, s = cfg.actor, cfg.server
+    per_request = a.group_size if a.use_n else 1  # use_n: one request carries the group's group_size sequences
+    requested = a.concurrency_per_server * per_request * s.num_servers
+    in_flight = min(requested, a.groups_allowed(0) * a.group_size)  # the staleness bound caps the groups started
+    capacity = s.max_batch * s.num_servers
+    if in_flight > capacity:
+        log.warning("the actor keeps up to %d sequences in flight (actor.concurrency_per_server %d x %d sequences "
+                    "per request x %d servers = %d, staleness bound %d) but the servers decode %d at once "
+                    "(server.max_batch %d x %d servers): the rest queue, and actor.request_timeout_s (%.0f s) "
+                    "counts the wait; lower actor.concurrency_per_server to %d or raise server.max_batch", in_flight,
+                    a.concurrency_per_server, per_request, s.num_servers, requested,
+                    a.groups_allowed(0) * a.group_size, capacity, s.max_batch, s.num_servers, a.request_timeout_s,
+                    max(1, s.max_batch // per_request))
 
 
 def check_lora_run(cfg: Any) -> None:

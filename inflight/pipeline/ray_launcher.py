@@ -101,10 +101,10 @@ def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_f
     node_ids = ray.get([a.node_id.remote() for a in actors])  # before run(): an actor runs one call at a time
     cfg.pipeline.weight_sync_host = ip
     env = {}
-    if n > 1:
+    if cfg.trainer.backend == "fsdp2":  # FSDP2 forms its process group from these at any world size, 1 included
         env = {"MASTER_ADDR": ip, "MASTER_PORT": str(ray.get(actors[0].free_port.remote())), "WORLD_SIZE": str(n)}
     args = (cfg, run_dir, urls, stream, resume_from)
-    refs = [a.run.remote("trainer_main", args, {**env, **({"RANK": str(r), "LOCAL_RANK": "0"} if n > 1 else {})})
+    refs = [a.run.remote("trainer_main", args, {**env, **({"RANK": str(r), "LOCAL_RANK": "0"} if env else {})})
             for r, a in enumerate(actors)]
     return actors, refs, node_ids, pg
 

@@ -64,9 +64,16 @@ class StepAccumulator:
 
     def _pack(self, flush: bool) -> list[TrainBatch]:
         """Micro-batches ready now: when flushing, all; otherwise the full ones (the least-filled bin stays)."""
+        n_tokens = self.num_tokens_in_step
+        if flush and n_tokens is None:  # flush with unknown token count: everything is here now
+            n_tokens = count_loss_tokens([s for s, _ in self.pending])
+            if self.world_size > 1:  # collective: a rank with nothing pending adds its 0 (never returns first)
+                t = torch.tensor([n_tokens], dtype=torch.long)
+                torch.distributed.all_reduce(t, group=self.group)
+                n_tokens = int(t)
         if not self.pending:
             return []
-        if not flush and (self.num_tokens_in_step is None or sum(len(s) for s, _ in self.pending) < self.budget):
+        if not flush and (n_tokens is None or sum(len(s) for s, _ in self.pending) < self.budget):
             return []
         bins = first_fit_decreasing([len(s) for s, _ in self.pending], self.budget)
         if not flush:
@@ -74,13 +81,6 @@ class StepAccumulator:
             keep, bins = bins[0], bins[1:]
         else:
             keep = []
-        n_tokens = self.num_tokens_in_step
-        if n_tokens is None:  # flush with unknown token count: everything is here now
-            n_tokens = count_loss_tokens([s for s, _ in self.pending])
-        if self.world_size > 1 and self.num_tokens_in_step is None:
-            t = torch.tensor([n_tokens], dtype=torch.long)
-            torch.distributed.all_reduce(t, group=self.group)
-            n_tokens = int(t)
         out = [
             collate(
                 [self.pending[i][0] for i in b], [self.pending[i][1] for i in b], self.num_samples_in_step, n_tokens,

@@ -26,7 +26,7 @@ def served_adapter_name(prefix: str, version: int) -> str:
 @dataclass
 class TrainerConfig:
     backend: str = "single"  # single | fsdp2
-    num_processes: int = 1  # ranks for fsdp2
+    num_processes: int = 1  # ranks for fsdp2 (actor.groups_per_step must be a multiple of it)
     device: str = "cpu"
     precision: str = "float32"  # float32 | bf16-mixed (GPU)
     gradient_checkpointing: bool = False

@@ -26,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from inflight.contracts import tied_aliases
@@ -54,11 +56,14 @@ class FSDP2Trainer(SingleDeviceTrainer):
     fully_shard (forward, backward, clipping and named_weights work on the sharded tensors; every call is
     collective). Attributes: model, tokenizer, version, rank, world_size."""
 
+    train_state_from_rank0 = True  # load_train_state uses rank 0's optimizer state only (restore_trainer maps it)
+
     def __init__(self, model_path: str, cfg: TrainerConfig):
         super().__init__(model_path, cfg)
         self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
         self.cpu_group: dist.ProcessGroup | None = None  # gloo over all ranks, for CPU tensors (init)
+        self.skeleton: torch.nn.Module | None = None  # rank 0: what save() writes the HF folder with (init)
 
     def init(self) -> None:
         from transformers import AutoTokenizer
@@ -102,8 +107,23 @@ class FSDP2Trainer(SingleDeviceTrainer):
         self._values_from_rank0(model, source)
         del source
         self.model = model
+        if self.rank == 0 and self.cfg.lora is None:
+            self.skeleton = self._skeleton()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
+
+    def _skeleton(self) -> torch.nn.Module:
+        """The model_path architecture on the meta device with the folder's config and generation config, read once
+        here: save() writes checkpoints with its save_pretrained (HF's layout: tied aliases dropped, shards, the
+        config as loaded), never reading model_path again (a resumed run's model_path is a checkpoint that pruning
+        deletes)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
+        if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
+            model.generation_config = GenerationConfig.from_pretrained(self.model_path)
+        return model
 
     def _meta_model(self) -> torch.nn.Module:
         """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""
@@ -117,8 +137,6 @@ class FSDP2Trainer(SingleDeviceTrainer):
 
     def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
         """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         full = source.state_dict() if source is not None else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full
@@ -144,15 +162,13 @@ class FSDP2Trainer(SingleDeviceTrainer):
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         elif self.rank == 0:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-            result = model.load_state_dict(state, strict=False)  # named_weights omits tied aliases
-            missing = set(result.missing_keys) - set(tied_aliases(model))
-            if missing or result.unexpected_keys:
-                raise RuntimeError(f"save: weights do not fit the model (missing {sorted(missing)[:5]}, "
-                                   f"unexpected {result.unexpected_keys[:5]})")
-            model.save_pretrained(out_dir)
+            state.update(_persistent_buffers(self.model))
+            expected = set(self.skeleton.state_dict()) - set(tied_aliases(self.skeleton))  # named_weights omits them
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            if missing or unexpected:
+                raise RuntimeError(f"save: weights do not fit the model (missing {missing[:5]}, "
+                                   f"unexpected {unexpected[:5]})")
+            self.skeleton.save_pretrained(out_dir, state_dict=state)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         dist.barrier(group=self.cpu_group)
@@ -160,8 +176,6 @@ class FSDP2Trainer(SingleDeviceTrainer):
     def load_adapter(self, path: str) -> None:
         """Collective: every rank reads the checkpoint's adapter (as each reads its train state) and keeps its
         shard of it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         from inflight.trainer.lora import check_adapter_fits, read_adapter
 
         state = read_adapter(path)
@@ -173,8 +187,6 @@ class FSDP2Trainer(SingleDeviceTrainer):
         """Collective. The optimizer state unsharded and keyed by parameter name (what a single process would hold;
         it loads on any number of ranks), the scheduler state and the version. Rank 0 gets the tensors (on CPU),
         the other ranks an empty optimizer dict: only rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         self._require_init()
         osd = get_optimizer_state_dict(self.model, self.optimizer,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -182,14 +194,22 @@ class FSDP2Trainer(SingleDeviceTrainer):
                 "backend": "fsdp2"}
 
     def load_train_state(self, state: dict) -> None:
-        """Collective; every rank passes the full state read from the checkpoint and keeps its own shard."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
+        """Collective; every rank passes the state read from the checkpoint, and only rank 0's optimizer state is
+        read: it goes to the other ranks tensor by tensor and each keeps its shard (one full copy on the host, not
+        one per rank: restore_trainer maps the file, so the other ranks never read those tensors)."""
         self._require_init()
         if state.get("backend") != "fsdp2":
             raise ValueError("this checkpoint's optimizer state was written by another trainer backend "
                              f"({state.get('backend', 'single')!r}); resume it with that backend")
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"] if self.rank == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that belong in a state dict (not rotary inv_freq and the like), on the host; FSDP2 leaves buffers
+    whole on every rank."""
+    return {f"{prefix}{'.' if prefix else ''}{name}": buf.detach().cpu()
+            for prefix, mod in model.named_modules() for name, buf in mod.named_buffers(recurse=False)
+            if name not in mod._non_persistent_buffers_set}

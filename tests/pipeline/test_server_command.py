@@ -70,3 +70,44 @@ def test_bad_server_settings_are_named(tmp_path, override, message):
     cfg = load_config(RunConfig, None, [f"model.path={tmp_path}", "pipeline.max_steps=1", override])
     with pytest.raises(ValueError, match=message):
         check_config(cfg)
+
+
+def test_fsdp2_groups_must_split_evenly_over_ranks(tiny_model_dir):
+    cfg = load_config(RunConfig, None, [f"model.path={tiny_model_dir}", "pipeline.max_steps=1",
+                                        "trainer.backend=fsdp2", "trainer.num_processes=4",
+                                        "actor.groups_per_step=6"])
+    with pytest.raises(ValueError, match=r"actor.groups_per_step \(6\) must be a multiple of "
+                                         r"trainer.num_processes \(4\)"):
+        check_config(cfg)
+    cfg.actor.groups_per_step = 8
+    check_config(cfg)
+
+
+def test_oversubscribed_servers_warn_with_the_numbers(tiny_model_dir, caplog):
+    """The actor's sequences in flight (requests x sequences each x servers, capped by the staleness bound)
+    against the servers' total max_batch: a warning naming both, none once they fit."""
+    cfg = load_config(RunConfig, None, [f"model.path={tiny_model_dir}", "pipeline.max_steps=1",
+                                        "server.num_servers=4", "server.max_batch=256", "actor.group_size=8",
+                                        "actor.groups_per_step=64", "actor.max_lag=4",
+                                        "actor.concurrency_per_server=128"])
+    with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
+        check_config(cfg)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "up to 3072 sequences in flight" in msg and "128 x 8 sequences per request x 4 servers = 4096" in msg
+    assert "decode 1024 at once (server.max_batch 256 x 4 servers)" in msg and "to 32" in msg
+    caplog.clear()
+    cfg.actor.concurrency_per_server = 32  # 32 x 8 x 4 = 1024: fits
+    with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
+        check_config(cfg)
+    assert not caplog.records
+
+
+def test_shipped_gpu_config_fits_its_servers(caplog):
+    from pathlib import Path
+
+    from inflight.pipeline.launch_common import warn_oversubscribed
+
+    cfg = load_config(RunConfig, Path(__file__).parents[2] / "configs" / "gpu-qwen2.5-gsm8k.yaml", [])
+    with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
+        warn_oversubscribed(cfg)
+    assert not caplog.records
