@@ -6,6 +6,7 @@ and the restart limit. It imports neither launcher; `launcher.run_pipeline` pick
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import sys
 import time
@@ -71,9 +72,14 @@ def check_ranks(cfg: Any) -> None:
                          "step's groups")
 
 
+QUEUE_WAIT_STEPS = 512  # a queued sequence waiting this many decode steps or more gets a warning
+
+
 def warn_oversubscribed(cfg: Any) -> None:
     """Sequences the actor keeps in flight beyond what the launched servers decode at once wait in the servers'
-    queues, and actor.request_timeout_s counts that wait: requests time out and are retried."""
+    queues, and actor.request_timeout_s counts that wait. Short completions queue cheaply (a queue keeps the batch
+    full while replies are built); a sequence that waits for more than QUEUE_WAIT_STEPS decode steps (whole rounds
+    of max_new_tokens) before it starts risks the timeout and its retries, and gets a warning."""
     if cfg.pipeline.server_urls:  # servers run elsewhere: their batch limits are not in this config
         return
     a, s = cfg.actor, cfg.server
@@ -81,14 +87,16 @@ def warn_oversubscribed(cfg: Any) -> None:
     requested = a.concurrency_per_server * per_request * s.num_servers
     in_flight = min(requested, a.groups_allowed(0) * a.group_size)  # the staleness bound caps the groups started
     capacity = s.max_batch * s.num_servers
-    if in_flight > capacity:
+    wait_steps = (math.ceil(in_flight / capacity) - 1) * a.max_new_tokens  # rounds queued x a round's steps
+    if wait_steps > QUEUE_WAIT_STEPS:
         log.warning("the actor keeps up to %d sequences in flight (actor.concurrency_per_server %d x %d sequences "
                     "per request x %d servers = %d, staleness bound %d) but the servers decode %d at once "
-                    "(server.max_batch %d x %d servers): the rest queue, and actor.request_timeout_s (%.0f s) "
-                    "counts the wait; lower actor.concurrency_per_server to %d or raise server.max_batch", in_flight,
+                    "(server.max_batch %d x %d servers): the rest queue for up to %d decode steps (rounds of "
+                    "actor.max_new_tokens %d), and actor.request_timeout_s (%.0f s) counts the wait; lower "
+                    "actor.concurrency_per_server to %d or raise server.max_batch", in_flight,
                     a.concurrency_per_server, per_request, s.num_servers, requested,
-                    a.groups_allowed(0) * a.group_size, capacity, s.max_batch, s.num_servers, a.request_timeout_s,
-                    max(1, s.max_batch // per_request))
+                    a.groups_allowed(0) * a.group_size, capacity, s.max_batch, s.num_servers, wait_steps,
+                    a.max_new_tokens, a.request_timeout_s, max(1, s.max_batch // per_request))
 
 
 def check_lora_run(cfg: Any) -> None:

@@ -89,13 +89,19 @@ def test_oversubscribed_servers_warn_with_the_numbers(tiny_model_dir, caplog):
     cfg = load_config(RunConfig, None, [f"model.path={tiny_model_dir}", "pipeline.max_steps=1",
                                         "server.num_servers=4", "server.max_batch=256", "actor.group_size=8",
                                         "actor.groups_per_step=64", "actor.max_lag=4",
-                                        "actor.concurrency_per_server=128"])
+                                        "actor.concurrency_per_server=128", "actor.max_new_tokens=1024"])
     with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
         check_config(cfg)
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "up to 3072 sequences in flight" in msg and "128 x 8 sequences per request x 4 servers = 4096" in msg
     assert "decode 1024 at once (server.max_batch 256 x 4 servers)" in msg and "to 32" in msg
+    assert "queue for up to 2048 decode steps" in msg  # 3072 in flight: 2 rounds of 1024 tokens wait
     caplog.clear()
+    cfg.actor.max_new_tokens = 12  # the CPU demo's short completions: a queue of 2 rounds is 24 steps, no warning
+    with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
+        check_config(cfg)
+    assert not caplog.records
+    cfg.actor.max_new_tokens = 1024
     cfg.actor.concurrency_per_server = 32  # 32 x 8 x 4 = 1024: fits
     with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
         check_config(cfg)
@@ -103,11 +109,13 @@ def test_oversubscribed_servers_warn_with_the_numbers(tiny_model_dir, caplog):
 
 
 def test_shipped_gpu_config_fits_its_servers(caplog):
+    """And the shipped CPU configs, whose short completions queue a few dozen steps at most, print nothing."""
     from pathlib import Path
 
     from inflight.pipeline.launch_common import warn_oversubscribed
 
-    cfg = load_config(RunConfig, Path(__file__).parents[2] / "configs" / "gpu-qwen2.5-gsm8k.yaml", [])
-    with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
-        warn_oversubscribed(cfg)
-    assert not caplog.records
+    for name in ("gpu-qwen2.5-gsm8k", "cpu-demo", "cpu-smollm2", "cpu-arith-tool", "bench-scratch"):
+        cfg = load_config(RunConfig, Path(__file__).parents[2] / "configs" / f"{name}.yaml", [])
+        with caplog.at_level("WARNING", logger="inflight.pipeline.launch_common"):
+            warn_oversubscribed(cfg)
+        assert not caplog.records, name
