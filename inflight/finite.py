@@ -17,7 +17,6 @@ from typing import Mapping
 
 import torch
 
-
 CHUNK_BYTES = 1 << 19  # half of this CPU's 1 MiB L2 per core (measured: 1.3x a bare copy, vs 1.5x copy + sum)
 
 

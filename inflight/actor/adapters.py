@@ -113,8 +113,8 @@ def parse_sglang(resp: dict[str, Any]) -> list[Completion]:
     version, when the server reports one, is the choice's meta_info.weight_version (else -1)."""
     choices = []
     for ch in resp.get("choices", []):
-        v = (ch.get("meta_info") or {}).get("weight_version")
-        choices.append({**ch, "weight_version": int(v) if str(v).lstrip("-").isdigit() else -1})
+        v = str((ch.get("meta_info") or {}).get("weight_version"))
+        choices.append({**ch, "weight_version": int(v) if v.lstrip("-").isdigit() else -1})
     return parse_vllm({**resp, "choices": choices})
 
 

@@ -166,9 +166,10 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
         if not prompt_ids:  # reset failed: no tokens at all; the group fails (there is nothing to train)
             raise
     finally:
-        if callable(getattr(env, "close", None)):  # the environment's own clean-up, however the episode ended
+        close = getattr(env, "close", None)  # optional: not part of the Environment protocol
+        if callable(close):  # the environment's own clean-up, however the episode ended
             try:
-                await _call(lambda _: env.close(), None, ecfg.env_timeout_s)
+                await _call(lambda _: close(), None, ecfg.env_timeout_s)
             except EnvFailed as exc:
                 log.warning("closing the environment of %s failed: %s", ts.id, exc)
     reward = sum(rewards) if label != "truncated" else 0.0

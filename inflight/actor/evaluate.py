@@ -77,7 +77,7 @@ async def evaluate(
                               [s.logprobs[j] for j in pick], [s.versions[j] for j in pick], s.finish_reason)
 
     outs = await asyncio.gather(*(one(ts) for ts in problems))
-    ok = [(c, ts) for c, ts in zip(outs, problems) if c is not None]
+    ok = [(c, ts) for c, ts in zip(outs, problems, strict=True) if c is not None]
     if episode is not None:
         verdicts = [Verification(episodes[ts.id].reward, Verdict(episodes[ts.id].label)) for _, ts in ok]
         tool_calls = [float(episodes[ts.id].meta.get("tool_calls", 0.0)) for _, ts in ok]
@@ -86,7 +86,7 @@ async def evaluate(
         verdicts = await (rewards.score(items) if rewards is not None else _verify_all(task, items)) if items else []
     # finished replies only: a cut-off one is never correct here, whatever the training's truncation mode
     names = [Verdict.truncated.value if is_truncated(c.finish_reason) else getattr(v.label, "value", str(v.label))
-             for (c, _), v in zip(ok, verdicts)]
+             for (c, _), v in zip(ok, verdicts, strict=True)]
     labels = Counter(names)
     versions = [v for c, _ in ok for v in c.versions]
     lengths = [len(c.token_ids) for c, _ in ok]
@@ -104,7 +104,7 @@ async def evaluate(
         "truncated_frac": sum(is_truncated(c.finish_reason) for c, _ in ok) / max(1, len(ok)),
         "replies": [{"prompt": ts.messages[-1]["content"], "reply": c.text, "finish": c.finish_reason,
                      "tokens": len(c.token_ids), "label": label}
-                    for (c, ts), label in list(zip(ok, names))[: cfg.eval_samples]],
+                    for (c, ts), label in list(zip(ok, names, strict=True))[: cfg.eval_samples]],
         "seconds": time.monotonic() - t0,
         **({"tool_calls_mean": sum(tool_calls) / max(1, len(tool_calls))} if episode is not None else {}),
     }

@@ -83,7 +83,7 @@ class ServerPool:
         return self._http
 
     async def _get(self, url: str, timeout_s: float | None = None) -> tuple[int, bytes]:
-        kw = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+        kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
         async with self.http.get(url, **kw) as r:
             return r.status, await r.read()
 

@@ -187,19 +187,21 @@ class PolicyLoss:
         m = batch.loss_mask > 0
         mf = m.to(dt)
 
-        def trained(x: torch.Tensor | None) -> torch.Tensor | None:
+        def trained(x: torch.Tensor) -> torch.Tensor:
             # untrained tokens (prompt, first token) may hold anything: zero them so exp() stays finite there
-            return None if x is None else torch.where(m, x.to(dt), torch.zeros((), dtype=dt, device=x.device))
+            return torch.where(m, x.to(dt), torch.zeros((), dtype=dt, device=x.device))
 
         logp, mu, adv = trained(logprobs), trained(batch.behaviour_logprobs), trained(batch.advantages)
-        prox, ref, ent = trained(batch.prox_logprobs), trained(batch.ref_logprobs), trained(entropy)
+        prox, ref, ent = (None if x is None else trained(x) for x in (batch.prox_logprobs, batch.ref_logprobs, entropy))
         pg = self.term(logp, mu, prox, adv, cfg)
         keep = m & ~pg.dropped
         per_token = torch.where(keep, pg.loss, torch.zeros_like(pg.loss))
         kl = kl_k3(logp, ref, cfg.kl_clamp) * mf if ref is not None else None
         if cfg.kl_coef > 0:
+            assert kl is not None  # _check_batch: kl_coef > 0 needs ref_logprobs
             per_token = per_token + cfg.kl_coef * kl
         if cfg.entropy_coef > 0:
+            assert ent is not None  # _check_batch: entropy_coef > 0 needs the entropy
             per_token = per_token - cfg.entropy_coef * ent
         loss = normalize(per_token, m, batch, cfg.normalization)
 
@@ -262,7 +264,8 @@ def lag_stats(samples: list, weights_version: int) -> dict:
     lags = []
     for s in samples:
         mask = s.loss_mask or [1] * len(s.versions)  # an environment's tokens (mask 0) have no version
-        lags += [weights_version - v for v, m in list(zip(s.versions, mask))[(0 if s.prompt_ids else 1):] if m]
+        pairs = list(zip(s.versions, mask, strict=False))[(0 if s.prompt_ids else 1):]
+        lags += [weights_version - v for v, m in pairs if m]
     return {"lag_min": min(lags, default=0), "lag_max": max(lags, default=0),
             "lag_mean": sum(lags) / max(1, len(lags)), "lag_tokens": len(lags),
             "lag_hist": {str(k): lags.count(k) for k in sorted(set(lags))}}

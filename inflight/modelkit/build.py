@@ -13,7 +13,7 @@ import json
 import random
 from itertools import islice
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypedDict
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -22,14 +22,25 @@ from inflight.modelkit.tokenizer import ALPHABET, train_tokenizer
 from inflight.tasks import get_task
 from inflight.tasks.config import TaskConfig
 
+
+class Shape(TypedDict):
+    """A model size: the shape keywords of LlamaConfig."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
 # parameter counts (arith vocabulary of 128 tokens): micro 0.09M (for tests), tiny 0.62M, small 6.4M
-SIZES: dict[str, dict[str, int]] = {
-    "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+SIZES: dict[str, Shape] = {
+    "micro": Shape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2),
+    "tiny": Shape(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2),
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4),
+    "small": Shape(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=4),
 }
 
 
@@ -63,7 +74,8 @@ def make_model(
     out = Path(out_dir)
     tok = train_tokenizer(task_texts(task_cfg), vocab_size=vocab_size, max_length=max_positions)
     config = LlamaConfig(
-        vocab_size=len(tok), max_position_embeddings=max_positions, rope_theta=10000.0, rms_norm_eps=1e-6,
+        vocab_size=len(tok), max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False, attention_bias=False, pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id, bos_token_id=None, **SIZES[size],
     )

@@ -31,7 +31,7 @@ def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSam
             with torch.no_grad():
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, use_cache=True,
                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
-            for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
+            for s, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
                 finish = "stop" if any(t in stops for t in ids) else "length"
                 if finish == "stop":  # generate pads after the end; the reply is what came before it
                     ids = ids[: next(i for i, t in enumerate(ids) if t in stops)]

@@ -68,7 +68,7 @@ def slowdowns(occupancy: dict[tuple[int, int, int, int, int], float], cores: flo
 def simulate_shared(profile: Profile, cfg: SimConfig, cores: float, trainer_threads: float = 1.0,
                     server_threads: float = 1.0, actor_threads: float = 1.0, passes: int = 8) -> SimResult:
     """simulate() with the roles sharing `cores` cores. The result's extra["slowdown"] gives the settled factors."""
-    s = (1.0, 1.0, 1.0)
+    s: tuple[float, ...] = (1.0, 1.0, 1.0)
     result = simulate(profile, cfg, occupancy=True, cores=cores)
     for _ in range(passes):
         spin = min(1.0, profile.server_http_spin / profile.server_http_stall) if profile.server_http_stall else 0.0

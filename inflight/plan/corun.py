@@ -106,7 +106,10 @@ def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, 
         training = _Toggled(train_step, "train-load")
         decoding.start()
         training.start()
-        t_alone, t_slowed, s_alone, s_slowed = [], [], [], []
+        t_alone: list[float] = []
+        t_slowed: list[float] = []
+        s_alone: list[float] = []
+        s_slowed: list[float] = []
         try:
             for _ in range(rounds):
                 for on, out in ((False, t_alone), (True, t_slowed)):

@@ -15,7 +15,7 @@ import contextlib
 import random
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 
@@ -35,7 +35,7 @@ def _decode_grid(timer, batches: list[int], contexts: list[int], n1: int, n2: in
         prompt = max(1, ctx - (n1 + n2) // 2)
         row = []
         for b in batches:
-            def diff() -> float:
+            def diff(b: int = b, prompt: int = prompt) -> float:  # bound now: _median calls it in this iteration
                 t1 = timer(b, prompt, n1)
                 return timer(b, prompt, n2) - t1
 
@@ -65,7 +65,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
     eng = InferenceEngine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                           threads=threads, generator_precision=precision)
     eng.start()
-    vocab = eng.vocab_size
+    vocab = cast(int, eng.vocab_size)  # an int; engine/core.py reads it off nn.Module, which types it Tensor | Module
     rng = random.Random(0)
 
     def timer(b: int, prompt: int, new: int) -> float:
@@ -166,7 +166,7 @@ def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 
     if trainer is None:
         trainer = make_trainer(model_path, cfg)
         trainer.init()
-    vocab = trainer.model.config.vocab_size  # type: ignore[attr-defined]
+    vocab = trainer.model.config.vocab_size
     rng = random.Random(0)
     samples, adv = [], []
     for g in range(groups):
@@ -205,7 +205,9 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
     back, opt, back2 = [], [], []
     for _ in range(steps):
         b, o = step()
-        back.append(b), opt.append(o), back2.append(step2()[0])
+        back.append(b)
+        opt.append(o)
+        back2.append(step2()[0])
     b, b2, o = (statistics.median(v) for v in (back, back2, opt))
     devices = max(1, cfg.num_processes) if cfg.backend == "fsdp2" else 1
     prof = TrainerProfile(model=model_path, devices=devices, tokens_per_s=tokens / b, step_overhead_s=o,
@@ -265,6 +267,7 @@ def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
     with push_session(cfg) as (_, push):
         for _ in range(pushes - 1):
             t, pause = push()
-            times.append(t), pauses.append(pause)
+            times.append(t)
+            pauses.append(pause)
             time.sleep(0.05)  # as between optimizer steps
     return statistics.median(times), statistics.median(pauses)

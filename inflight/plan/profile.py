@@ -19,7 +19,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 # what `inflight profile` wrote in the notes before the trainer's shape had fields of its own
 _SHAPE = re.compile(r"trainer measured on (\d+)-token prompts, (\d+)-token completions")
 

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         engine, pause = measure.measure_engine(cfg.model.path, batches, contexts, threads=cfg.server.threads,
                                                precision=cfg.server.generator_precision, repeats=args.repeats,
                                                max_model_len=cfg.server.max_model_len)
-    print(f"engine: decode step {dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0])))} ms "
+    step_ms = dict(zip(batches, (round(v * 1e3, 2) for v in engine.decode.step_s[0]), strict=True))
+    print(f"engine: decode step {step_ms} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
     if not (args.server or args.no_traffic):
         from inflight.plan.traffic import measure_run_step_factor
@@ -159,12 +160,11 @@ def measure_corun(cfg, prompt: int, completion: int, push: bool) -> dict[str, fl
 
 def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
     """The per-group reply work (inflight/plan/reply.py) as profile fields; the reward workers count as actor."""
-    from inflight.plan.reply import line
-    from inflight.plan.reply import measure_reply as measure
+    from inflight.plan.reply import line, measure_reply as measure
 
     if lengths is not None and len(lengths) != 2:
         raise SystemExit("inflight profile: --reply-lengths takes two lengths, e.g. 4,12")
-    (lo, hi), request_s, lock = measure(cfg, tuple(lengths) if lengths else None)
+    (lo, hi), request_s, lock = measure(cfg, (lengths[0], lengths[1]) if lengths else None)
     print(f"requests arriving (held at the version gate): server {request_s * 1e3:.2f} ms per group (CPU time)")
     if lock is not None:
         print(f"the server's HTTP work beside decoding: per second of it the engine thread loses {lock[0]:.2f} s and "

@@ -288,8 +288,8 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                                      runs[0] / groups, runs[1] / groups))
             request_s = await _request_cost(actor, server_pid, groups, lengths[0])
             per_request = request_s / (1 if cfg.actor.use_n else cfg.actor.group_size)
-            batch = min(cfg.server.max_batch, cfg.actor.group_size * cfg.actor.groups_per_step)
-            stall = await _stall(actor, url, cfg.server.api_key or None, server_pid, per_request, batch)
+            decode_batch = min(cfg.server.max_batch, cfg.actor.group_size * cfg.actor.groups_per_step)
+            stall = await _stall(actor, url, cfg.server.api_key or None, server_pid, per_request, decode_batch)
     finally:
         await asyncio.to_thread(rewards.close)
         stream.close()

@@ -218,8 +218,8 @@ class Simulator:
         srv.http_free = max(self.now, srv.http_free) + cost
         return srv.http_free
 
-    def _on_arrive(self, obj: object) -> None:
-        srv, g = obj  # type: ignore[misc]
+    def _on_arrive(self, obj: tuple[_Server, _Group]) -> None:
+        srv, g = obj
         c = self.cfg
         srv.waiting.append(g)
         if srv.chunk is not None:  # parsed while the engine decoded: it lost its share of that time
@@ -294,8 +294,8 @@ class Simulator:
         srv.chunk = (srv.cid, t, start, dt, n, b)
         self._at(start + n * dt, "chunk", (srv, srv.cid))
 
-    def _on_chunk(self, obj: object) -> None:
-        srv, cid = obj  # type: ignore[misc]
+    def _on_chunk(self, obj: tuple[_Server, int]) -> None:
+        srv, cid = obj
         if srv.chunk is None or srv.chunk[0] != cid:
             return  # a run that was cut: its later end is void
         _, t0, start, dt, n, b = srv.chunk
@@ -369,8 +369,8 @@ class Simulator:
         srv.paused = srv.stalled = False
         self._kick_soon(srv)
 
-    def _on_update(self, obj: object) -> None:
-        version = int(obj)  # type: ignore[call-overload]
+    def _on_update(self, obj: int) -> None:
+        version = int(obj)
         for srv in self.servers:  # its request is read by the HTTP thread, after the work queued before it
             if srv.http_free > self.now:
                 self._at(srv.http_free, "swap", (srv, version))
@@ -379,8 +379,8 @@ class Simulator:
         if not self.cfg.gated:
             self._publish(version)
 
-    def _on_swap(self, obj: object) -> None:
-        srv, version = obj  # type: ignore[misc]
+    def _on_swap(self, obj: tuple[_Server, int]) -> None:
+        srv, version = obj
         srv.pending = version
         self._poke(srv, admissible=True)
 

@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import random
 import statistics
-from typing import Any
+from typing import Any, cast
 
 from inflight.plan.profile import EngineProfile
 
@@ -53,6 +53,7 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
         torch.set_num_threads(srv.threads)
     eng = InferenceEngine(cfg.model.path, max_batch=srv.max_batch, max_model_len=srv.max_model_len,
                           threads=srv.threads, generator_precision=srv.generator_precision)
+    vocab = cast(int, eng.vocab_size)  # an int; engine/core.py reads it off nn.Module, which types it Tensor | Module
     G = act.group_size
     in_flight = max(1, srv.max_batch // G)
     total = groups_per_round or in_flight * max(4, -(-400 // act.max_new_tokens))  # a few hundred steady steps
@@ -74,15 +75,16 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
         sp = SamplingParams(max_tokens=act.max_new_tokens, temperature=act.temperature, n=G)
         state = {"done": 0, "started": 0}
         steady: list = []
+        trace: list[tuple[int, int, int, float]] = []  # the engine appends a tuple per step while it is set
 
         async def group() -> None:
             state["started"] += 1
             if state["started"] == total:  # the last group starts: the batch drains from here
-                steady.extend(eng.step_trace)
+                steady.extend(trace)
             await generate(prompt(), sp)
             state["done"] += 1
             if state["done"] == in_flight:  # the first wave is over: the batch is mixed from here on
-                eng.step_trace.clear()
+                trace.clear()
 
         async def loop() -> None:
             gate = asyncio.Semaphore(in_flight)
@@ -92,7 +94,7 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
                     await group()
             await asyncio.gather(*[one() for _ in range(total)])
 
-        eng.step_trace = []
+        eng.step_trace = trace
         asyncio.run(loop())
         eng.step_trace = None
         return steady
@@ -101,7 +103,7 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
         new = 24
         sp = SamplingParams(max_tokens=new, ignore_eos=True, temperature=act.temperature)
         p_len = max(1, context - new // 2)
-        prompts = [[rng.randrange(2, eng.vocab_size) for _ in range(p_len)] for _ in range(batch)]
+        prompts = [[rng.randrange(2, vocab) for _ in range(p_len)] for _ in range(batch)]
 
         async def go() -> None:
             await asyncio.gather(*[generate(p, sp) for p in prompts])
@@ -125,7 +127,8 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
             plain = plain_round(batch, context)
             r_run, r_plain = _measured_s(run) / _curve_s(profile, run), _measured_s(plain) / _curve_s(profile, plain)
             ratios.append(r_run / r_plain)
-            runs.append(r_run), plains.append(r_plain)
+            runs.append(r_run)
+            plains.append(r_plain)
     finally:
         eng.stop()
     details = {"batch": batch, "context": context, "steps": len(decodes), "run_over_curve": statistics.median(runs),

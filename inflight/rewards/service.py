@@ -158,7 +158,8 @@ class RewardService:
 
     def _score_batch(self, items: list[ScoreItem]) -> list[Verification]:
         out = []
-        for (_, sample, finish, num_tokens, max_tokens), (outcome, value) in zip(items, self._outcomes(items)):
+        outcomes = self._outcomes(items)
+        for (_, sample, finish, num_tokens, max_tokens), (outcome, value) in zip(items, outcomes, strict=True):
             with self._stats_lock:
                 self.stats["calls"] += 1
                 if outcome != "ok":

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -93,7 +93,7 @@ class RedisStream:
     def _load(self) -> None:
         if self._loaded:
             return
-        h = self._r.hgetall(self._consumer_key)
+        h = cast(dict[bytes, bytes], self._r.hgetall(self._consumer_key))  # decode_responses=False: bytes
         self._last_id = h.get(b"acked_id", b"0-0").decode()
         self._acked = self._consumed = int(h.get(b"acked", 0))
         self._unacked.clear()
@@ -107,7 +107,8 @@ class RedisStream:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self._load()
         block = 0 if timeout_s is None else (max(1, int(timeout_s * 1000)) if timeout_s > 0 else None)
-        reply = self._r.xread({self._key: self._last_id}, count=max_groups, block=block)
+        # RESP2 (the client's protocol): [[key, [(id, {field: value}), ...]]]; redis-py types every protocol's shape
+        reply = cast(list[list[Any]], self._r.xread({self._key: self._last_id}, count=max_groups, block=block))
         if not reply:
             return []
         groups: list[Group] = []

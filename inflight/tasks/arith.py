@@ -30,13 +30,13 @@ _INT = re.compile(r"^\s*([-+]?\d+)\s*$")
 def evaluate(nums: list[int], ops: list[str]) -> int:
     """Value with the usual precedence (* before + and -); no eval() of text."""
     terms, signs = [nums[0]], [1]
-    for op, n in zip(ops, nums[1:]):
+    for op, n in zip(ops, nums[1:], strict=True):
         if op == "*":
             terms[-1] *= n
         else:
             terms.append(n)
             signs.append(1 if op == "+" else -1)
-    return sum(s * t for s, t in zip(signs, terms))
+    return sum(s * t for s, t in zip(signs, terms, strict=True))
 
 
 # ---- step-by-step work for the scratchpad variant ------------------------------------------------------------
@@ -79,7 +79,7 @@ def _mul_steps(a: int, b: int) -> str:
 def scratchpad(nums: list[int], ops: list[str]) -> str:
     """Products first (left to right), then the sums and differences, then the boxed answer."""
     lines, terms, add_ops = [], [nums[0]], []
-    for op, n in zip(ops, nums[1:]):
+    for op, n in zip(ops, nums[1:], strict=True):
         if op == "*":
             lines.append(_mul_steps(terms[-1], n))
             terms[-1] *= n
@@ -87,7 +87,7 @@ def scratchpad(nums: list[int], ops: list[str]) -> str:
             add_ops.append(op)
             terms.append(n)
     acc = terms[0]
-    for op, n in zip(add_ops, terms[1:]):
+    for op, n in zip(add_ops, terms[1:], strict=True):
         lines.append(_add_steps(acc, n) if op == "+" else _sub_steps(acc, n))
         acc = acc + n if op == "+" else acc - n
     lines.append(f"\\boxed{{{acc}}}")
@@ -126,7 +126,7 @@ class ArithTask:
         return nums, [rng.choice(self.cfg.operators) for _ in range(n - 1)]
 
     def _sample(self, sid: str, nums: list[int], ops: list[str]) -> TaskSample:
-        expr = str(nums[0]) + "".join(f"{op}{n}" for op, n in zip(ops, nums[1:]))
+        expr = str(nums[0]) + "".join(f"{op}{n}" for op, n in zip(ops, nums[1:], strict=True))
         if self.cfg.prompt:  # a short prompt makes every sample cheaper for a tiny model that learns the format
             question = self.cfg.prompt.replace("{expr}", expr)
         else:
@@ -143,7 +143,7 @@ class ArithTask:
         )
 
     def _make_eval(self) -> list[TaskSample]:
-        rng, seen, out = random.Random(f"arith-eval-{self.cfg.seed}"), set(), []
+        rng, seen, out = random.Random(f"arith-eval-{self.cfg.seed}"), set[str](), list[TaskSample]()
         for _ in range(50 * self.cfg.eval_size + 100):
             if len(out) == self.cfg.eval_size:
                 return out

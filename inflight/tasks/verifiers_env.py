@@ -67,7 +67,7 @@ def _own_signals() -> Iterator[None]:
                 signal.signal(s, h)
         return
     real = signal.signal
-    signal.signal = lambda *a, **k: None  # type: ignore[assignment]
+    signal.signal = lambda *a, **k: None
     try:
         yield
     finally:
@@ -95,9 +95,11 @@ def load_vf_environment(env: str, env_args: dict[str, Any]) -> Any:
             if not path.is_file():
                 raise VerifiersError(f"task.env: no such file {env}")
             spec = importlib.util.spec_from_file_location(f"inflight_vf_env_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-            sys.modules[spec.name] = module  # type: ignore[union-attr]
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
+            if spec is None or spec.loader is None:
+                raise VerifiersError(f"task.env: {env} cannot be loaded as a Python module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
             if not callable(getattr(module, "load_environment", None)):
                 raise VerifiersError(f"task.env: {env} defines no load_environment()")
             return module.load_environment(**env_args)
@@ -109,8 +111,9 @@ def _text(content: Any) -> str:
         return content
     if isinstance(content, list):  # content parts: text only
         parts = [p.get("text") if isinstance(p, dict) else getattr(p, "text", None) for p in content]
-        if all(isinstance(t, str) for t in parts):
-            return "".join(parts)
+        texts = [t for t in parts if isinstance(t, str)]
+        if len(texts) == len(parts):
+            return "".join(texts)
     raise VerifiersError(f"message content must be text, got {type(content).__name__}")
 
 
@@ -278,7 +281,7 @@ class VerifiersEpisode:
         if state.get("final_env_response") is not None:  # the environment ended the episode in its response
             await env.is_completed(state)
             return await self._finish(info)
-        if len(prompt) <= len(before) or any(_key(a) != _key(b) for a, b in zip(prompt, before)):
+        if len(prompt) <= len(before) or any(_key(a) != _key(b) for a, b in zip(prompt, before, strict=False)):
             raise VerifiersError("the environment's next prompt does not continue the conversation (it rewrites "
                                  "earlier messages): not supported, the model's tokens would be re-rendered")
         self.turn_prompt = prompt
