@@ -76,6 +76,15 @@ def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | N
     return model
 
 
+def gathered(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor, detached: a sharded one (FSDP2's DTensor) gathered (collective), cast to `dtype` shard by
+    shard first; a plain one as it is."""
+    if not hasattr(t, "full_tensor"):
+        return t.detach()
+    t = t.detach()
+    return (t.to(dtype) if dtype is not None and t.dtype != dtype else t).full_tensor()
+
+
 def autocast(cfg: TrainerConfig, device: torch.device | str) -> contextlib.AbstractContextManager:
     if cfg.precision == "bf16-mixed":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
@@ -179,20 +188,21 @@ class SingleDeviceTrainer:
         model = self._require_init()
         return adapter_spec(model) if is_lora(model) else None
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every parameter, detached, in the model's dtype. Names are `named_parameters()`'s:
         a tied tensor (lm_head.weight of a tie_word_embeddings model) comes once, under its canonical name, as the
         weight-update contract wants (`state_dict()` would list the alias too). A sharded tensor is gathered one
-        parameter at a time (collective). With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only
-        (lora.adapter_tensors), to be pushed with `adapter`."""
+        parameter at a time (collective); with `dtype` (the servers' dtype) each shard is cast before the gather,
+        so the full tensor exists only in that dtype (an unsharded one is yielded as it is: the sender converts).
+        With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only (lora.adapter_tensors), to be
+        pushed with `adapter`."""
         from inflight.trainer.lora import adapter_tensors, is_lora
 
         if is_lora(self._require_init()):
-            yield from adapter_tensors(self.model)
+            yield from adapter_tensors(self.model, dtype)
             return
         for name, tensor in self._require_init().named_parameters():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
+            yield name, gathered(tensor, dtype)
 
     def train_state(self) -> dict:
         """Optimizer and scheduler state (tensors and plain types: torch.load(weights_only=True) reads it)."""
