@@ -23,7 +23,7 @@ import torch
 
 from inflight.contracts import tied_aliases
 from inflight.trainer.config import LoraConfig
-from inflight.trainer.single import gathered
+from inflight.trainer.gather import gathered
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 PEFT_PREFIX = "base_model.model."  # what PEFT's files put before a module name

@@ -18,6 +18,7 @@ import torch
 from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.config import TrainerConfig
+from inflight.trainer.gather import gathered
 from inflight.trainer.logprobs import packed_logits, token_logprobs
 from inflight.trainer.optim import build_optimizer
 
@@ -74,15 +75,6 @@ def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | N
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def gathered(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole tensor, detached: a sharded one (FSDP2's DTensor) gathered (collective), cast to `dtype` shard by
-    shard first; a plain one as it is."""
-    if not hasattr(t, "full_tensor"):
-        return t.detach()
-    t = t.detach()
-    return (t.to(dtype) if dtype is not None and t.dtype != dtype else t).full_tensor()
 
 
 def autocast(cfg: TrainerConfig, device: torch.device | str) -> contextlib.AbstractContextManager:
