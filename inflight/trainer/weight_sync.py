@@ -14,6 +14,10 @@ and posts its path (single host only). `transport="shm"` (single host) writes th
 segment (inflight/shm_weights.py) that every server on the host copies from: two memory copies in all, which
 overlap (the servers are asked first and copy each tensor as soon as it is written).
 
+A trainer that makes the tensors fresh for each push (FSDP2 gathers them) calls `prepare()` first: the update is
+converted and packed as it is gathered (prepared.py), held once in the wire dtype, and `push()` takes it as often as
+a retry needs.
+
 A tensor registered under several names (tied embeddings) is sent once, under its first name (the contract's
 canonical one). On a CUDA trainer (`device`) the helper threads that create and drive the NCCL communicator make
 that device current first: a new thread starts on device 0 whatever the trainer uses.
