@@ -134,7 +134,8 @@ def main() -> None:
         raise SystemExit(f"ranks exited with {codes}")
     got = json.loads(result.read_text())
     print(f"\nrank 0 of 2, one push of the Qwen2.5-0.5B shape ({n / 1e6:.0f}M parameters; "
-          f"bf16 {2 * n / 2**20:.0f} MiB, fp32 {4 * n / 2**20:.0f} MiB), bucket {args.bucket_mb:g} MiB, code {args.code}")
+          f"bf16 {2 * n / 2**20:.0f} MiB, fp32 {4 * n / 2**20:.0f} MiB), bucket {args.bucket_mb:g} MiB, "
+          f"code {args.code}")
     print("| RSS before (MiB) | peak extra during the push (MiB) | still held after (MiB) | push (s) |")
     print("|---|---|---|---|")
     print(f"| {got['before_mb']:.0f} | {got['peak_extra_mb']:.0f} | {got['held_after_mb']:.0f} | {got['push_s']:.1f} |")
