@@ -1,7 +1,8 @@
 """The trainer loop over N FSDP2 ranks. Rank 0 alone talks to the stream and the servers: it takes the step's
 groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
 over the trainer's gloo group (cpu_group); all ranks then run the collective forward/backward (StepAccumulator keeps their
-micro-batch counts equal), the optimizer step, and the weight gather that rank 0 streams to the servers."""
+micro-batch counts equal), the optimizer step, and the weight gather (once per push, on every rank) whose result rank 0
+sends to the servers, with the single trainer's retries (a restarted server rejoins the weight group)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, adapter_of
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.packing import count_loss_tokens
+
+
+WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 def broadcast_bytes(blobs: list[bytes] | None, rank: int, group: Any) -> list[bytes]:
@@ -137,18 +141,31 @@ class DistributedTrainerLoop(TrainerLoop):
         self.engine.train_state()
 
     def _send_weights(self, version: int) -> None:
-        """Collective gather of the weights; rank 0 streams them to the servers and logs the push."""
-        if self.rank == 0:
-            tp = time.time()
-            res = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode,
-                                 **adapter_of(self.engine)) or {}
-            pauses = list((res.get("pause_s") or {}).values())
-            self.log.log("weight_push", step=version, push_s=res.get("seconds"), bytes=res.get("bytes"),
-                         adapter=bool(res.get("adapter")),
-                         pause_s=max(pauses) if pauses else None, done_after_s=time.time() - tp)
-        else:
-            for _ in self.engine.named_weights():
+        """Collective: every rank gathers the weights once, each shard cast to the servers' dtype first; rank 0
+        keeps them packed for the wire (sync.prepare: one copy, built one bucket at a time) and pushes them with the
+        loop's retries, which resend that copy and never gather again (a gather on rank 0 alone would wait forever
+        for the other ranks). The other ranks drop each tensor as it comes."""
+        gathered = self.engine.named_weights(self._wire_dtype())
+        if self.rank != 0:
+            for _ in gathered:
                 pass
+            return
+        tp = time.time()
+        prepare = getattr(self.sync, "prepare", None)
+        weights = prepare(gathered) if prepare is not None else list(gathered)
+        res = self.push(version, weights) or {}
+        del weights
+        pauses = list((res.get("pause_s") or {}).values())
+        self.log.log("weight_push", step=version, push_s=res.get("seconds"), bytes=res.get("bytes"),
+                     adapter=bool(res.get("adapter")),
+                     pause_s=max(pauses) if pauses else None, done_after_s=time.time() - tp)
+
+    def _wire_dtype(self) -> torch.dtype | None:
+        """Collective: the dtype the servers take (rank 0's weight client knows it; None: the weights' own), the
+        same on every rank, since the gather casts each rank's shard."""
+        code = torch.tensor([WIRE_DTYPES.index(getattr(self.sync, "dtype", None)) if self.rank == 0 else 0])
+        dist.broadcast(code, 0, group=self.engine.cpu_group)
+        return WIRE_DTYPES[int(code)]
 
     def done(self) -> bool:
         return self.rank == 0 and super().done()

@@ -333,8 +333,9 @@ class TrainerLoop:
                      done_after_s=push.box["done"] - push.started)  # until every server had it
 
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
-    def push(self, version: int) -> dict:
-        """Push the current weights as `version` to every server. A failed update is retried after the weight group
+    def push(self, version: int, weights: Any = None) -> dict:
+        """Push the current weights as `version` to every server (`weights`: what to send instead of the engine's
+        named_weights, resent as it is on every attempt: the FSDP2 loop's gathered update). A failed update is retried after the weight group
         is formed again with every server (a restarted one joins it); a server that rejects the update itself
         (4xx other than 409) or `pipeline.weight_sync_retries` failures stop the trainer with the servers'
         versions in the message. A server applies an update whole or not at all, so each holds one version."""
@@ -344,7 +345,7 @@ class TrainerLoop:
         retries = self.cfg.pipeline.weight_sync_retries
         for attempt in range(retries + 1):
             try:
-                return self._watched_push(version)
+                return self._watched_push(version, weights)
             except WeightSyncError as exc:
                 permanent = any(code != "409" for code in re.findall(r"\(HTTP (4\d\d)\)", str(exc)))
                 if permanent or attempt == retries:
@@ -358,7 +359,7 @@ class TrainerLoop:
                     self.log.log("weight_sync_retry", step=version, rejoin_error=f"{type(rexc).__name__}: {rexc}")
         raise AssertionError("unreachable")
 
-    def _watched_push(self, version: int) -> dict:
+    def _watched_push(self, version: int, weights: Any = None) -> dict:
         """sync.push in a thread, abandoned when a server's port starts refusing connections: a peer that dies inside
         a broadcast can leave it blocked until the group timeout. The abandoned op only ends in an error (its peer is
         gone); the retry forms a new group."""
@@ -371,7 +372,8 @@ class TrainerLoop:
 
         def target() -> None:
             try:
-                box["res"] = self.sync.push(self.engine.named_weights(), version, self.cfg.pipeline.update_mode,
+                named = self.engine.named_weights() if weights is None else weights
+                box["res"] = self.sync.push(named, version, self.cfg.pipeline.update_mode,
                                             **adapter_of(self.engine)) or {}
             except BaseException as exc:  # handed to the caller's thread
                 box["err"] = exc

@@ -23,6 +23,7 @@ import torch
 
 from inflight.contracts import tied_aliases
 from inflight.trainer.config import LoraConfig
+from inflight.trainer.gather import gathered
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 PEFT_PREFIX = "base_model.model."  # what PEFT's files put before a module name
@@ -95,16 +96,13 @@ def adapter_spec(model: torch.nn.Module) -> dict[str, float]:
     return {"rank": rank, "scaling": scaling}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()  # FSDP2: gathered (collective)
-
-
-def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The contract's tensors: `<base>.lora_A` [r, in] then `<base>.lora_B` [out, r] per adapted layer, where
-    `<base>` is the layer's weight name in the plain model. FSDP2: gathered one tensor at a time (collective)."""
+    `<base>` is the layer's weight name in the plain model. FSDP2: gathered one tensor at a time (collective), each
+    shard cast to `dtype` first."""
     for name, m in lora_layers(model):
-        yield f"{name}.weight.lora_A", _full(m.lora_A[ADAPTER].weight)
-        yield f"{name}.weight.lora_B", _full(m.lora_B[ADAPTER].weight)
+        yield f"{name}.weight.lora_A", gathered(m.lora_A[ADAPTER].weight, dtype)
+        yield f"{name}.weight.lora_B", gathered(m.lora_B[ADAPTER].weight, dtype)
 
 
 def to_peft_names(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

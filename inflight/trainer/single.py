@@ -18,6 +18,7 @@ import torch
 from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.config import TrainerConfig
+from inflight.trainer.gather import gathered
 from inflight.trainer.logprobs import packed_logits, token_logprobs
 from inflight.trainer.optim import build_optimizer
 
@@ -179,20 +180,21 @@ class SingleDeviceTrainer:
         model = self._require_init()
         return adapter_spec(model) if is_lora(model) else None
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every parameter, detached, in the model's dtype. Names are `named_parameters()`'s:
         a tied tensor (lm_head.weight of a tie_word_embeddings model) comes once, under its canonical name, as the
         weight-update contract wants (`state_dict()` would list the alias too). A sharded tensor is gathered one
-        parameter at a time (collective). With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only
-        (lora.adapter_tensors), to be pushed with `adapter`."""
+        parameter at a time (collective); with `dtype` (the servers' dtype) each shard is cast before the gather,
+        so the full tensor exists only in that dtype (an unsharded one is yielded as it is: the sender converts).
+        With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only (lora.adapter_tensors), to be
+        pushed with `adapter`."""
         from inflight.trainer.lora import adapter_tensors, is_lora
 
         if is_lora(self._require_init()):
-            yield from adapter_tensors(self.model)
+            yield from adapter_tensors(self.model, dtype)
             return
         for name, tensor in self._require_init().named_parameters():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full.detach()
+            yield name, gathered(tensor, dtype)
 
     def train_state(self) -> dict:
         """Optimizer and scheduler state (tensors and plain types: torch.load(weights_only=True) reads it)."""

@@ -15,6 +15,10 @@ and posts its path (single host only). `transport="shm"` (single host) writes th
 segment (inflight/shm_weights.py) that every server on the host copies from: two memory copies in all, which
 overlap (the servers are asked first and copy each tensor as soon as it is written).
 
+A trainer that makes the tensors fresh for each push (FSDP2 gathers them) calls `prepare()` first: the update is
+converted and packed as it is gathered (prepared.py), held once in the wire dtype, and `push()` takes it as often as
+a retry needs.
+
 A tensor registered under several names (tied embeddings) is sent once, under its first name (the contract's
 canonical one). On a CUDA trainer (`device`) the helper threads that create and drive the NCCL communicator make
 that device current first: a new thread starts on device 0 whatever the trainer uses.
@@ -43,6 +47,7 @@ import torch
 
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
+from inflight.trainer.prepared import PreparedUpdate, prepare_update
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
 
 log = logging.getLogger("inflight.trainer.weight_sync")
@@ -81,6 +86,11 @@ def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str,
         seen.add(key)
         out.append((name, t))
     return out
+
+
+def _params(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> list[dict]:
+    """The announcement of `tensors` as sent in `dtype` (None: their own)."""
+    return [{"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[dtype or t.dtype]} for n, t in tensors]
 
 
 def on_device(device: torch.device | None, fn):
@@ -181,45 +191,64 @@ class WeightSyncClient:
                  self.backend)
 
     # ---- updates ----------------------------------------------------------------------------------------------
-    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int, mode: str = "keep",
-             adapter: dict | None = None) -> dict:
+    def prepare(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> PreparedUpdate | list:
+        """For tensors made fresh for this push (an FSDP2 gather, one at a time): each converted to the servers'
+        dtype and packed into its bucket as it comes (prepared.py), so the update exists once, in the wire dtype.
+        push() takes the result as often as needed: a retry resends it. Other transports: the converted tensors.
+        Each tensor must come once (no tied aliases)."""
+        if self.transport != "process_group":
+            return [(n, self._convert(t)) for n, t in named_weights]
+        return prepare_update(named_weights, self._convert, self.bucket_bytes)
+
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]] | PreparedUpdate, version: int,
+             mode: str = "keep", adapter: dict | None = None) -> dict:
         """Send new weights to every server; returns {bytes, seconds, pause_s: {url: s}, version}. `adapter`
         ({"rank", "scaling"}): the tensors are a LoRA adapter's `<base>.lora_A` / `<base>.lora_B`, checked here
-        as the servers will (contracts.adapter_pairs), on every transport."""
+        as the servers will (contracts.adapter_pairs), on every transport. `named_weights` may be what prepare()
+        returned."""
         t0 = time.perf_counter()
         extra = {"adapter": AdapterSpec(**adapter).model_dump()} if adapter is not None else {}
-        if self.transport == "shm":  # converted while copied into the segment
+        if isinstance(named_weights, PreparedUpdate):
+            prepared = named_weights
+            if prepared.bucket_bytes != self.bucket_bytes:
+                raise ValueError(f"prepared for bucket_bytes={prepared.bucket_bytes}, the client has "
+                                 f"{self.bucket_bytes}")
+            nbytes, ntensors = prepared.nbytes, len(prepared.params)
+            self._check_adapter(prepared.params, extra)
+            answers = self._push_broadcast(prepared.params, lambda announced: prepared.payload, version, mode, extra)
+        elif self.transport == "shm":  # converted while copied into the segment
             tensors = [(n, self._check_dtype(t.detach())) for n, t in unique_tensors(named_weights)]
             itemsize = {n: (self.dtype or t.dtype).itemsize for n, t in tensors}
-            nbytes = sum(t.numel() * itemsize[n] for n, t in tensors)
-            self._check_adapter(tensors, extra)
+            nbytes, ntensors = sum(t.numel() * itemsize[n] for n, t in tensors), len(tensors)
+            self._check_adapter(_params(tensors, self.dtype), extra)
             answers = self._push_shm(tensors, version, mode, extra)
         else:
             tensors = [(n, self._convert(t)) for n, t in unique_tensors(named_weights)]
-            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-            self._check_adapter(tensors, extra)
+            nbytes, ntensors = sum(t.numel() * t.element_size() for _, t in tensors), len(tensors)
+            params = _params(tensors, None)
+            self._check_adapter(params, extra)
             if self.transport == "file":
                 answers = self._push_file(tensors, version, mode, extra)
             else:
-                answers = self._push_broadcast(tensors, version, mode, extra)
+                answers = self._push_broadcast(params, lambda announced: self._pack(tensors, params, announced),
+                                               version, mode, extra)
         seconds = time.perf_counter() - t0
         pause = {url: float(a["pause_s"]) for url, a in zip(self.urls, answers)}
         log.info("pushed v%d%s: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version,
-                 " (adapter)" if extra else "", len(tensors), nbytes / 1e6, seconds,
+                 " (adapter)" if extra else "", ntensors, nbytes / 1e6, seconds,
                  nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
         out = {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
-               "num_tensors": len(tensors), "adapter": bool(extra)}
+               "num_tensors": ntensors, "adapter": bool(extra)}
         if self.transport == "shm":
             out["write_s"] = self.last_write_s  # of `seconds`: writing the segment
         return out
 
-    def _check_adapter(self, tensors: list[tuple[str, torch.Tensor]], extra: dict) -> None:
+    def _check_adapter(self, params: list[dict], extra: dict) -> None:
         """An adapter update's names, ranks and shapes, before anything is sent (the servers check them too)."""
         if not extra:
             return
-        infos = [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES[self.dtype or t.dtype]) for n, t in tensors]
         try:
-            adapter_pairs(infos, extra["adapter"]["rank"])
+            adapter_pairs([ParamInfo(**p) for p in params], extra["adapter"]["rank"])
         except ValueError as e:
             raise WeightSyncError(f"not an adapter update: {e}") from None
 
@@ -234,18 +263,17 @@ class WeightSyncClient:
             raise WeightSyncError(f"cannot send dtype {t.dtype} (float32, bfloat16, float16 only)")
         return t
 
-    def _push_broadcast(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
-                        extra: dict) -> list[dict]:
+    def _push_broadcast(self, params: list[dict], payload_of, version: int, mode: str, extra: dict) -> list[dict]:
+        """params: the announcement; payload_of(announced): the buffers to broadcast, in order."""
         if self.group is None:
             raise WeightSyncError("call init_process_group() before push()")
-        body = {"version": version, "mode": mode, "params": [
-            {"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]} for n, t in tensors], **extra}
+        body = {"version": version, "mode": mode, "params": params, **extra}
         if self.bucket_bytes:
             body["bucket_bytes"] = self.bucket_bytes
         # dry run first: a server that would reject must not leave the others waiting. The servers check the
         # announced names, shapes and dtypes against their model, so an announcement they all took on this group
         # is not checked again (one round trip less per step, on the path from optimizer step to new weights)
-        announced = (self._generation, mode, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors),
+        announced = (self._generation, mode, tuple((p["name"], tuple(p["shape"]), p["dtype"]) for p in params),
                      tuple(sorted(extra.get("adapter", {}).items())))
         if self.precheck and announced != self._accepted:
             self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True) for u in self.urls],
@@ -253,7 +281,7 @@ class WeightSyncClient:
         posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
         generation = self._generation
         sender: cf.Future = cf.Future()
-        payload = self._pack(tensors, body["params"], announced)
+        payload = payload_of(announced)
         send = on_device(self.device, lambda: self._send_all(payload, generation))
         threading.Thread(target=lambda: _run_into(sender, send), name=f"broadcast-v{version}", daemon=True).start()
         pending: set[cf.Future] = {sender, *posts}

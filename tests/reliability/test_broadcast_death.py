@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -63,7 +64,7 @@ def run_with_deadline(fn, seconds: float) -> tuple[object, BaseException | None,
     return box.get("res"), box.get("err"), time.monotonic() - t0
 
 
-def make_loop(model_dir, run_dir, urls: list[str]) -> TrainerLoop:
+def make_loop(model_dir, run_dir, urls: list[str], bucket_bytes: int = 0) -> TrainerLoop:
     cfg = RunConfig()
     cfg.pipeline.weight_sync_retries, cfg.pipeline.startup_timeout_s = 2, 3.0
     engine = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1))
@@ -71,15 +72,27 @@ def make_loop(model_dir, run_dir, urls: list[str]) -> TrainerLoop:
     with torch.no_grad():  # new weights, so that an applied update is visible in the outputs
         for p in engine.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    sync = WeightSyncClient(urls, timeout_s=GROUP_TIMEOUT_S)
+    sync = WeightSyncClient(urls, timeout_s=GROUP_TIMEOUT_S, bucket_bytes=bucket_bytes)
     sync.init_process_group()
     return TrainerLoop(cfg, engine, None, sync, MetricsLogger(run_dir, "trainer"), run_dir)
 
 
-def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path):
+def token_versions(url: str) -> list[int]:
+    body = {"model": httpx.get(url + "/v1/models").json()["data"][0]["id"], "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "12+34="}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()["choices"][0]["token_versions"]
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["per_tensor", "prepared_buckets"])
+def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path, prepared):
+    """prepared: the FSDP2 loop's form of the push, packed in buckets (norms share one) once and sent as it is."""
     a = ServerProcess(str(tiny_model_dir), extra_args=SERVE)
     b = ServerProcess(str(tiny_model_dir), extra_args=SERVE)
-    loop = make_loop(tiny_model_dir, tmp_path, [a.url, b.url])
+    loop = make_loop(tiny_model_dir, tmp_path, [a.url, b.url], bucket_bytes=4096 if prepared else 0)
+
+    def weights():
+        return loop.sync.prepare(loop.engine.named_weights()) if prepared else loop.engine.named_weights()
+
     try:
         old = greedy(a.url)
         assert greedy(b.url) == old and version(a.url) == version(b.url) == 0
@@ -89,11 +102,14 @@ def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path):
         loop.sync.group = KillDuringBroadcast(loop.sync.group, b.proc.pid, after=3, marks=marks)
 
         # 1. The push fails fast and names the dead server.
-        _, err, _ = run_with_deadline(lambda: loop.sync.push(loop.engine.named_weights(), 1), BOUND_S)
+        _, err, _ = run_with_deadline(lambda: loop.sync.push(weights(), 1), BOUND_S)
         failed_after = time.monotonic() - marks["killed"]
         b.proc.wait()
         assert err is not None and b.url in str(err), err
         assert "broadcast" in str(err) and "weight group aborted" in str(err)
+        # the survivor's own answer: it left the broadcast and applied nothing
+        assert f"server {a.url} rejected /request_weight_update (HTTP 409)" in str(err)
+        assert "nothing applied" in str(err)
         print(f"\npush error: {err}")
 
         # 2. The survivor left the broadcast, dropped what it had received and serves the old weights.
@@ -101,6 +117,7 @@ def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path):
         survivor_after = time.monotonic() - marks["killed"]
         assert err2 is None, f"the surviving server does not answer (still inside the broadcast?): {err2!r}"
         assert version(a.url) == 0 and out == old  # no half-new weights
+        assert set(token_versions(a.url)) == {0}  # and it keeps serving: every new token from version 0
         log = open(a.log_path).read()
         assert "broke off" in log and "nothing applied" in log  # it was inside the broadcast and dropped it
 
@@ -108,7 +125,7 @@ def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path):
         t0 = time.monotonic()
         b = ServerProcess(str(tiny_model_dir), port=b.port, extra_args=SERVE)
         restart_s = time.monotonic() - t0
-        _, err, push_s = run_with_deadline(lambda: loop.push(1), BOUND_S)
+        _, err, push_s = run_with_deadline(lambda: loop.push(1, weights() if prepared else None), BOUND_S)
         assert err is None, err
         assert version(a.url) == version(b.url) == 1
         new = greedy(a.url)

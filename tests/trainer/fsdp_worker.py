@@ -57,6 +57,8 @@ def main(model_dir: str, out: str, lora: bool = False) -> None:
         acc.add(samples[mine][3:], adv[mine][3:])
         stats.append(acc.finish())
     weights = {n: w.clone() for n, w in t.named_weights()}
+    for n, w in t.named_weights(torch.bfloat16):  # collective: each shard cast before the gather, the same values
+        assert w.dtype == torch.bfloat16 and torch.equal(w, weights[n].to(torch.bfloat16)), n
     t.save(os.path.splitext(out)[0] + ".saved")  # collective; rank 0 writes the HF folder
     if lora:
         with torch.no_grad():
