@@ -45,9 +45,10 @@ def reference_max_diff(engine: Any, samples: list, lp: Any, model_dir: str, devi
     return d.max().item(), d.mean().item()
 
 
-def profile_step(engine: Any, samples: list, tokens: int, cuda: bool, rows: int = 25) -> list[dict[str, Any]]:
-    """One more step under torch.profiler: the table (by self device time on CUDA, self CPU time on CPU) printed,
-    the top `rows` operations returned."""
+def profile_step(engine: Any, samples: list, tokens: int, cuda: bool, rows: int = 25,
+                 top_n: int = 15) -> list[dict[str, Any]]:
+    """One more step under torch.profiler: the table of its top `rows` operations (by self device time on CUDA,
+    self CPU time on CPU) printed, the top `top_n` returned."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -57,7 +58,7 @@ def profile_step(engine: Any, samples: list, tokens: int, cuda: bool, rows: int 
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=rows), flush=True)
     total = sum(getattr(e, key) for e in events) or 1.0
-    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top_n]
     return [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key) / 1e3, "share": getattr(e, key) / total,
              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in top]
 

@@ -38,7 +38,7 @@ from smoke_server import pythonpath  # noqa: E402
 # seconds per stage on the GPU (they add up to 470 s: the 8 minutes less the driver's own start and end; the
 # pipeline's two runs get what its warm start leaves, up to 90 s each); --tiny runs on a shared CPU, where the caps
 # only stop a hang
-CAPS = {"models": 30, "engine": 100, "trainer": 45, "push": 45, "pipeline": 250}
+CAPS = {"models": 30, "engine": 95, "trainer": 45, "push": 50, "pipeline": 250}
 TINY_CAPS = {"models": 60, "engine": 120, "trainer": 60, "push": 90, "pipeline": 150}
 GRACE_S = 20  # after SIGTERM at the cap: the stage stops its servers and runs, then SIGKILL
 
@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(bench: dict[str, Any], selected: list[str]) -> None:
-    """One line per figure: value, goal, met."""
+    """Seconds per stage, then one line per figure: value, goal, met."""
+    print("\nstages: " + ", ".join(f"{n} {s['seconds']:.0f} s (cap {s['cap_s']:.0f})" + ("" if s["ok"] else " FAILED")
+                                 for n, s in bench["stages"].items()), flush=True)
     print(f"\n{'figure':36} {'value':>14} {'goal':>10}  met", flush=True)
     for key in [k for s in selected for k in keys_of(s)]:
         f = bench[key]
