@@ -34,7 +34,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smoke_server import server_stage  # noqa: E402  (scripts/ is on the path: this file's folder)
+from smoke_server import pythonpath, server_stage  # noqa: E402  (scripts/ is on the path: this file's folder)
 
 # Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 KV heads (head_dim 64), intermediate 4864, vocab 151,936
 QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -48,9 +48,10 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def build_models(out: Path, tiny: bool, dtype: str) -> dict[str, str]:
+def build_models(out: Path, tiny: bool, dtype: str, ties: tuple[bool, ...] = (False, True)) -> dict[str, str]:
     """Tokenizer and chat template from `inflight make-model` (llama type: AutoTokenizer keeps the trained
-    tokenizer), weights of the chosen shape (Llama modules with Qwen2's sizes, q/k/v/o biases), tied and untied."""
+    tokenizer), weights of the chosen shape (Llama modules with Qwen2's sizes, q/k/v/o biases), with an untied
+    and / or a tied head (`ties`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,7 +59,7 @@ def build_models(out: Path, tiny: bool, dtype: str) -> dict[str, str]:
     from inflight.tasks.config import TaskConfig
 
     dirs = {}
-    for tied in (False, True):
+    for tied in ties:
         d = out / ("model-tied" if tied else "model")
         dirs["tied" if tied else "untied"] = str(d)
         if (d / "config.json").exists() and (d / "smoke.json").exists():
@@ -101,7 +102,7 @@ def trainer_stage(a: argparse.Namespace, model: str, out: Path, world: int = 1) 
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": pythonpath(),
                **({} if a.device.startswith("cuda") else {"OMP_NUM_THREADS": "1"})}
         log_file = open(out / f"trainer-world{world}-rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(ROOT / "scripts" / "smoke_trainer.py"), "--model", model,
@@ -164,7 +165,8 @@ def run_launcher(cmd: list[str], timeout: float, log_path: Path) -> tuple[int, s
     """Run `inflight train`; past `timeout` (or on our own exit) SIGTERM it, so that it stops the roles it started
     (each in a session of its own), then SIGKILL."""
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": pythonpath()})
         try:
             rc = proc.wait(timeout=timeout)
         except BaseException:

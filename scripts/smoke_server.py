@@ -13,16 +13,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "What is 12+34?"}]
 
 
+def pythonpath() -> str:
+    """The repo first, then what PYTHONPATH already holds (packages installed with pip --target stay visible)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def start_server(engine: str, model: str, out: Path, dtype: str, python: str, cuda: bool, max_batch: int,
                  gpu: str = "") -> Any:
     common = ["--dtype", dtype, "--max-model-len", "1024"]
-    env = {"PYTHONPATH": str(ROOT), **({} if cuda else {"OMP_NUM_THREADS": "1"}),
+    env = {"PYTHONPATH": pythonpath(), **({} if cuda else {"OMP_NUM_THREADS": "1"}),
            **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
     if engine == "builtin":
         from inflight.engine.serve import ServerProcess
@@ -44,7 +49,7 @@ def start_server(engine: str, model: str, out: Path, dtype: str, python: str, cu
 def conformance(url: str, out: Path, engine: str, timeout: float) -> dict[str, Any]:
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/conformance",
                         "--server-url", url], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": pythonpath()})
     (out / f"conformance-{engine}.log").write_text(p.stdout + p.stderr)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", p.stdout)}
     if p.returncode != 0:
@@ -53,27 +58,45 @@ def conformance(url: str, out: Path, engine: str, timeout: float) -> dict[str, A
 
 
 async def _load(url: str, model: str, streams: int, seconds: float, max_tokens: int,
-                stop: threading.Event | None = None) -> dict[str, float]:
+                stop: threading.Event | None = None,
+                request: Callable[[int, int], tuple[str, dict]] | None = None) -> dict[str, float]:
+    """`streams` clients, each sending its next request when the last one is answered, for `seconds` or until
+    `stop` (requests still running then are cancelled: the server drops them). `request(k, i)`: the path and body
+    of stream k's i-th request (default: the chat prompt, `max_tokens` new tokens, ignore_eos)."""
     import httpx
 
     done = {"tokens": 0, "requests": 0, "errors": 0}
     t0 = time.perf_counter()
 
+    def chat(k: int, i: int) -> tuple[str, dict]:
+        return "/v1/chat/completions", {"model": model, "messages": MESSAGES, "max_tokens": max_tokens,
+                                        "ignore_eos": True, "temperature": 1.0, "seed": k * 100003 + i}
+
     async def worker(http: httpx.AsyncClient, k: int) -> None:
+        i = 0
         while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
-            body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "ignore_eos": True,
-                    "temperature": 1.0, "seed": k * 100003 + done["requests"]}
+            path, body = (request or chat)(k, i)
+            i += 1
             try:
-                r = await http.post(url + "/v1/chat/completions", json=body)
+                r = await http.post(url + path, json=body)
                 r.raise_for_status()
                 done["tokens"] += r.json()["usage"]["completion_tokens"]
                 done["requests"] += 1
             except httpx.HTTPError:
                 done["errors"] += 1
 
+    async def stopper(tasks: list[asyncio.Task]) -> None:
+        while not all(t.done() for t in tasks):
+            if stop is not None and stop.is_set():
+                for t in tasks:
+                    t.cancel()
+                return
+            await asyncio.sleep(0.05)
+
     limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        await asyncio.gather(*(worker(http, k) for k in range(streams)))
+        tasks = [asyncio.create_task(worker(http, k)) for k in range(streams)]
+        await asyncio.gather(stopper(tasks), *tasks, return_exceptions=True)
     elapsed = time.perf_counter() - t0
     return {**done, "seconds": elapsed, "tokens_per_s": done["tokens"] / elapsed}
 
@@ -106,6 +129,31 @@ def reference_logprobs(model: Any, ids: list[int], n_prompt: int) -> list[float]
     lp = torch.log_softmax(logits, dim=-1)
     del ref
     return [lp[t - 1, ids[t]].item() for t in range(n_prompt, len(ids))]
+
+
+def served_logprob_diffs(url: str, name: str, hf: Any, old: dict[str, Any], version: int) -> dict[str, float]:
+    """Served logprobs of one sampled reply (all its tokens of `version`, checked) against a float32 forward of
+    `hf`'s weights (the pushed ones) and of `old` (the weights before: they must explain the reply clearly worse).
+    `hf` is left holding `old`."""
+    import httpx
+    import torch
+
+    body = {"model": name, "messages": MESSAGES, "max_tokens": 24, "logprobs": True, "ignore_eos": True,
+            "temperature": 1.0, "seed": 7}
+    ch = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    if set(ch["token_versions"]) != {version}:
+        raise RuntimeError(f"token_versions after the push to {version}: {sorted(set(ch['token_versions']))}")
+    ids, n_prompt = ch["prompt_token_ids"] + ch["token_ids"], len(ch["prompt_token_ids"])
+    got = [e["logprob"] for e in ch["logprobs"]["content"]]
+    new = reference_logprobs(hf, ids, n_prompt)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(old[n])
+    was = reference_logprobs(hf, ids, n_prompt)
+    d_new = [abs(x - y) for x, y in zip(got, new)]
+    d_old = [abs(x - y) for x, y in zip(got, was)]
+    return {"logprob_max_abs_diff": max(d_new), "logprob_mean_abs_diff": sum(d_new) / len(d_new),
+            "logprob_mean_abs_diff_old_weights": sum(d_old) / len(d_old), "logprob_tokens": len(d_new)}
 
 
 def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, python: str, *, backend: str = "gloo",
@@ -171,22 +219,7 @@ def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, pyt
         if httpx.get(url + "/health").json().get("version") != 6:
             raise RuntimeError(f"after the file push /health says {httpx.get(url + '/health').json()}")
 
-        body = {"model": name, "messages": MESSAGES, "max_tokens": 24, "logprobs": True, "ignore_eos": True,
-                "temperature": 1.0, "seed": 7}
-        ch = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
-        if set(ch["token_versions"]) != {6}:
-            raise RuntimeError(f"token_versions after the push to 6: {sorted(set(ch['token_versions']))}")
-        ids, n_prompt = ch["prompt_token_ids"] + ch["token_ids"], len(ch["prompt_token_ids"])
-        got = [e["logprob"] for e in ch["logprobs"]["content"]]
-        new = reference_logprobs(hf, ids, n_prompt)
-        with torch.no_grad():
-            for n, p in hf.named_parameters():
-                p.copy_(old[n])
-        was = reference_logprobs(hf, ids, n_prompt)
-        d_new = [abs(x - y) for x, y in zip(got, new)]
-        d_old = [abs(x - y) for x, y in zip(got, was)]
-        fig["logprob_max_abs_diff"], fig["logprob_mean_abs_diff"] = max(d_new), sum(d_new) / len(d_new)
-        fig["logprob_mean_abs_diff_old_weights"] = sum(d_old) / len(d_old)
+        fig.update(served_logprob_diffs(url, name, hf, old, 6))
         tol = 1e-3 if dtype == "float32" else 0.1  # bf16 serving vs a float32 forward of the same weights
         if not (fig["logprob_max_abs_diff"] < tol and fig["logprob_mean_abs_diff"] < fig[
                 "logprob_mean_abs_diff_old_weights"]):

@@ -33,18 +33,46 @@ from inflight.trainer.factory import make_trainer  # noqa: E402
 from inflight.trainer.packing import collate, count_loss_tokens  # noqa: E402
 
 
-def packed_samples(total: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """Samples of 256..1024 tokens (prompt 64) that fill `total` tokens exactly; logprobs filled in later."""
+def packed_samples(total: int, vocab: int, seed: int = 0, lengths: tuple[int, int] | None = None,
+                   prompt: int = 64) -> list[Sample]:
+    """Samples of `lengths` tokens (default 256..1024, 32..128 below 4096 in all; prompt `prompt`) that fill
+    `total` tokens exactly; logprobs filled in later."""
     rng = random.Random(seed)
+    lo, hi = lengths or ((256, 1024) if total >= 4096 else (32, 128))
     out, left = [], total
     while left > 0:
-        n = min(left, rng.randint(256, 1024) if total >= 4096 else rng.randint(32, 128))
-        p = min(64, n // 4)
+        n = min(left, rng.randint(lo, hi))
+        p = min(prompt, n // 4)
         ids = [rng.randrange(4, vocab) for _ in range(n)]
         out.append(Sample(group_id=f"g{len(out) // 4}", prompt_ids=ids[:p], completion_ids=ids[p:],
                           logprobs=[0.0] * (n - p), versions=[0] * (n - p)))
         left -= n
     return out
+
+
+def behaviour_logprobs(engine, samples: list[Sample]) -> torch.Tensor:
+    """Sets each sample's behaviour logprobs to the trainer's own (forward_logprobs of the packed batch: the first
+    step's importance ratio must then be 1 up to the no-grad / grad forward difference); returns the packed row's."""
+    batch = collate(samples, [0.0] * len(samples), len(samples), count_loss_tokens(samples))
+    lp = engine.forward_logprobs(batch).float().cpu()
+    k = 0
+    for s in samples:
+        k += len(s.prompt_ids)
+        s.logprobs = lp[k:k + len(s.completion_ids)].tolist()
+        k += len(s.completion_ids)
+    return lp
+
+
+def train_step(engine, samples: list[Sample], tokens: int, cuda: bool) -> tuple[dict, float]:
+    """One optimizer step on the packed batch (half the samples rewarded): its stats and seconds."""
+    acc = StepAccumulator(engine, make_loss(AlgoConfig()), tokens, len(samples), count_loss_tokens(samples),
+                          merge=merge_stats)
+    t = time.perf_counter()
+    acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
+    out = acc.finish()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
 
 
 def main() -> int:
@@ -64,35 +92,16 @@ def main() -> int:
     rank = getattr(engine, "rank", 0)
     vocab = engine.model.config.vocab_size
     samples = packed_samples(a.tokens, vocab)
-    n_tok = count_loss_tokens(samples)
-    # behaviour logprobs = the trainer's own (forward_logprobs of the same packed batch): the first step's
-    # importance ratio must then be 1 up to the no-grad / grad forward difference
-    batch = collate(samples, [0.0] * len(samples), len(samples), n_tok)
-    lp = engine.forward_logprobs(batch).float().cpu()
-    k = 0
-    for s in samples:
-        k += len(s.prompt_ids)
-        s.logprobs = lp[k:k + len(s.completion_ids)].tolist()
-        k += len(s.completion_ids)
+    behaviour_logprobs(engine, samples)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
 
-    def timed_step() -> tuple[dict, float]:
-        """One optimizer step on the packed batch (half the samples rewarded): its stats and seconds."""
-        acc = StepAccumulator(engine, make_loss(AlgoConfig()), a.tokens, len(samples), n_tok, merge=merge_stats)
-        t = time.perf_counter()
-        acc.add(samples, [1.0 if i % 2 else -1.0 for i in range(len(samples))])
-        out = acc.finish()
-        if cuda:
-            torch.cuda.synchronize()
-        return out, time.perf_counter() - t
-
-    stats, step_s = timed_step()
+    stats, step_s = train_step(engine, samples, a.tokens, cuda)
     changed = {n for n, w in engine.named_weights() if not torch.equal(before[n], w.detach().float().cpu())}
     # the first step pays for kernel selection and the optimizer's state: a second one gives the steady rate
-    _, warm_s = timed_step()
+    _, warm_s = train_step(engine, samples, a.tokens, cuda)
     after = {n: w.detach().float().cpu().clone() for n, w in engine.named_weights()}
     tokens = a.tokens * getattr(engine, "world_size", 1)  # every rank trains --tokens
     figures = {
