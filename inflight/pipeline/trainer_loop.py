@@ -335,8 +335,9 @@ class TrainerLoop:
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
     def push(self, version: int, weights: Any = None) -> dict:
         """Push the current weights as `version` to every server (`weights`: what to send instead of the engine's
-        named_weights, resent as it is on every attempt: the FSDP2 loop's gathered update). A failed update is retried after the weight group
-        is formed again with every server (a restarted one joins it); a server that rejects the update itself
+        named_weights, resent as it is on every attempt: the FSDP2 loop's gathered update). A failed update is
+        retried after the weight group is formed again with every server (a restarted one joins it); a server that
+        rejects the update itself
         (4xx other than 409) or `pipeline.weight_sync_retries` failures stop the trainer with the servers'
         versions in the message. A server applies an update whole or not at all, so each holds one version."""
         from inflight.pipeline.restart import rejoin_weight_group, server_versions
