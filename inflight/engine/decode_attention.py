@@ -6,7 +6,9 @@ sequence.
   of its chunk (a split past the sequence's length does nothing) and writes a partial (running max m, sum l,
   unnormalised output acc); `combine` merges the partials. The lengths are read from a tensor inside the kernel, so
   the launch (grid, shapes) is the same every step: graph-capturable. All query heads of a kv head share one
-  program (GQA), padded to 16 rows for tl.dot.
+  program (GQA), padded to 16 rows for tl.dot. Keys and values are widened to float32 as they are loaded; for a
+  16-bit cache the dots run in tf32, which holds every bf16/fp16 value exactly (q.k is exact; the probabilities
+  are rounded to tf32, finer than the bf16 that flash kernels usually round them to).
 - `split_reference`: the same math (chunks, blocks, online softmax, `combine`) in plain torch loops, runnable on CPU;
   the tests hold it and the kernel (Triton's interpreter, where Triton is installed) to a float64 softmax.
 - `masked_attention`: the static-shape torch path (CPU, or CUDA without Triton): all max_model_len positions of each
@@ -104,7 +106,7 @@ if triton is not None:
         d = tl.arange(0, D)
         live = r < REP
         heads = g * REP + r
-        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0)
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         m = tl.full([REP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
@@ -113,15 +115,15 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             tm = t < hi
-            k = tl.load(kb + t[:, None] * sk_t + d[None, :], mask=tm[:, None], other=0.0)
+            k = tl.load(kb + t[:, None] * sk_t + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [REP_PAD, BLOCK_N], float32
             s = tl.where(tm[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(vb + t[:, None] * sv_t + d[None, :], mask=tm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            v = tl.load(vb + t[:, None] * sv_t + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m = m_new
         tl.store(M + b * sm_b + heads * sm_h + sp, m, mask=live)
         tl.store(L + b * sm_b + heads * sm_h + sp, l, mask=live)
@@ -142,7 +144,8 @@ def split_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: 
     m = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
-    precision = "ieee" if kc.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    # products in float32 either way: a bf16/fp16 value is exact in tf32 (tensor cores), a float32 cache needs ieee
+    precision = "ieee" if kc.dtype == torch.float32 else "tf32"
     _split_kernel[(B, KV, S)](
         q, kc, vc, slots, lens, m, l, acc, scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),

@@ -256,3 +256,26 @@ def test_update_during_generation_through_the_graph_runner(tiny_model_dir, mode)
         assert (got[k:] - fresh).abs().max() < TOL
     else:
         assert (got[k:] - fresh).abs().max() > 1e-3
+
+
+def test_the_switch_is_a_server_option():
+    """`server.cuda_graphs` reaches `inflight serve --cuda-graphs` (as generator_precision does), and the serve
+    parser takes it."""
+    import argparse
+
+    from inflight.config import RunConfig, load_config
+    from inflight.engine import serve
+    from inflight.pipeline.launch_common import server_command
+
+    for value, flag in (("off", "off"), ("on", "on"), ("false", "off"), ("true", "on")):  # YAML's bare on/off: bools
+        argv = server_command(load_config(RunConfig, None, [f"server.cuda_graphs={value}"]), 0)
+        assert argv[argv.index("--cuda-graphs") + 1] == flag
+    with pytest.raises(ValueError, match="auto, on or off"):
+        load_config(RunConfig, None, ["server.cuda_graphs=sometimes"])
+    assert "--cuda-graphs" not in server_command(load_config(RunConfig, None, []), 0)  # auto: the default
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert p.parse_args(["--model", "m", "--cuda-graphs", "on"]).cuda_graphs == "on"
+    assert p.parse_args(["--model", "m"]).cuda_graphs == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--cuda-graphs", "always"])
