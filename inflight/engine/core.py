@@ -25,6 +25,10 @@ on the engine thread until the weights reach v, and admits it in the same loop t
 (an RL actor can send a step's requests before the weights they need exist); after `version_wait_s` it fails with
 VersionNotReached instead.
 
+CUDA (`cuda_graphs`, graph_runner.py): pure decode steps replay a CUDA graph per batch bucket, with live-length
+attention (decode_attention.py); sampling and stop checks run on the device (device_sampling.py), one copy back per
+step. The runner is then pinned: weight updates copy in place, so the graphs stay valid.
+
 Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
 full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 /
 oneDNN-packed float32 weights from it in load_weights, inside the same pause, once per update. On the fast path
@@ -467,9 +471,6 @@ class InferenceEngine:
     def _sample_and_emit(self, logits: torch.Tensor, seqs: list[_Seq], version: int) -> None:
         ps = [s.req.params for s in seqs]
         dev = logits.device
-        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
         u = torch.rand(len(seqs), generator=self._rng)
         for i, s in enumerate(seqs):
             if s.gen is not None:
@@ -480,8 +481,11 @@ class InferenceEngine:
         if self.sampler is not None:  # on the device: one copy back per step, stop checks included
             tok_l, lp_l, codes, top_v, top_i = self.sampler.run(logits, seqs, u.tolist(), filtered, num_top)
         else:
-            tokens, logprobs, top = sample(logits, temp.to(dev), top_p.to(dev), top_k.to(dev), u.to(dev), num_top,
-                                           filtered, self.runner.kernels)
+            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+            tokens, logprobs, top = sample(logits, temp, top_p, top_k, u.to(dev), num_top, filtered,
+                                           self.runner.kernels)
             tok_l, lp_l = tokens.tolist(), logprobs.tolist()
             top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
         finished = False

@@ -100,8 +100,8 @@ class DeviceSampler:
         packed = torch.cat([p.reshape(-1) for p in parts])
         out = self._out[: packed.numel()]
         out.copy_(packed, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
+        if self._event is not None:  # wait for this copy only (the model's device, whichever is current)
+            self._event.record(torch.cuda.current_stream(self.device))
             self._event.synchronize()
         res = out.view(-1, B).tolist()
         tv = ti = None

@@ -100,6 +100,10 @@ class DecodeGraphs:
     def _capture(self) -> None:
         if not torch.cuda.is_available() or self.r.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device; the model is on {self.r.device}")
+        with torch.cuda.device(self.r.device):  # the model's GPU, whichever is current
+            self._capture_on_device()
+
+    def _capture_on_device(self) -> None:
         side = torch.cuda.Stream(device=self.r.device)
         side.wait_stream(torch.cuda.current_stream(self.r.device))
         with torch.cuda.stream(side):  # compiles Triton kernels, picks cuBLAS algorithms, fills the allocator
@@ -120,7 +124,8 @@ class DecodeGraphs:
     def _check(self) -> None:
         """Replay the smallest and largest graphs on the padding inputs and compare with the eager forward."""
         for b in {self.buckets[0], self.buckets[-1]}:
-            self.graphs[b].replay()
+            with torch.cuda.device(self.r.device):
+                self.graphs[b].replay()
             eager = self._forward(b)
             err = (self.logits[b] - eager).abs().max().item()
             if not err <= CHECK_ATOL:
@@ -143,7 +148,8 @@ class DecodeGraphs:
         self.inputs.copy_(h, non_blocking=True)  # whole (contiguous, 32 bytes a row): one asynchronous copy
         g = self.graphs.get(b)
         if g is not None:
-            g.replay()
+            with torch.cuda.device(self.r.device):  # replays on that device's current stream
+                g.replay()
         else:
             self.logits[b].copy_(self._forward(b))
         self.replays[b] += 1

@@ -110,6 +110,9 @@ def test_engine_with_the_device_sampler_equals_the_cpu_sampler(tiny_model_dir):
     outs = []
     for on_device in (False, True):
         eng = InferenceEngine(str(tiny_model_dir), max_batch=8, max_model_len=40, device_sampling=on_device)
+        staging = lambda: [t.data_ptr() for t in (eng.sampler._ints, eng.sampler._floats, eng.sampler._out,  # noqa: E731
+                                                  eng.sampler._ints_d, eng.sampler._floats_d)]
+        before = staging() if on_device else None
         eng.start()
 
         async def one(i, prompt, sp):
@@ -122,6 +125,7 @@ def test_engine_with_the_device_sampler_equals_the_cpu_sampler(tiny_model_dir):
             outs.append(asyncio.run(go()))
         finally:
             eng.stop()
+        assert before is None or staging() == before  # the staging buffers are reused, step after step
     for a, b in zip(*outs):
         assert [(e[0], e[1], e[3]) for e in a] == [(e[0], e[1], e[3]) for e in b]
         assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 1e-6
