@@ -432,13 +432,14 @@ class InferenceEngine:
                 self._st["prefill_tokens_total"] += c
         if not chunks:
             return
-        self._forward_and_sample(chunks, want, seqs)
+        self._forward_and_sample(chunks, want, seqs, nd)
         if self.step_trace is not None:
             ctx = sum(start + 1 for _, start, _ in chunks[:nd])
             self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
 
-    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq]) -> None:
-        if self.graphs is not None and all(want) and all(len(ids) == 1 and start > 0 for _, start, ids in chunks):
+    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq], nd: int) -> None:
+        """nd: the first nd chunks are decodes (one token after a cached prefix, logits wanted)."""
+        if self.graphs is not None and nd == len(chunks):
             logits = self.graphs.decode([ids[0] for _, _, ids in chunks], [start for _, start, _ in chunks],
                                         [slot for slot, _, _ in chunks])
         else:  # prefill chunks (or no graphs): the eager forward
