@@ -12,8 +12,9 @@ bucket is captured once at start-up (warm-up on a side stream, then torch.cuda.g
 and replayed; the graphs hold the addresses of the weights and the KV cache, so the runner is pinned first
 (LlamaRunner.pin_storage: updates copy in place, never re-point). If anything in capture fails, or a captured graph
 does not reproduce the eager forward on a check, the runner logs the error and decodes eagerly instead
-(`status` says why). Elsewhere (CPU) `capture=False` runs the same runner eagerly ("eager replay": same buckets,
-padding and buffers): the tests check it against the plain forward there.
+(`status` says why); when the Triton attention was in use it first tries once more with the masked one.
+Elsewhere (CPU) `capture=False` runs the same runner eagerly ("eager replay": same buckets, padding and buffers):
+the tests check it against the plain forward there.
 """
 
 from __future__ import annotations
@@ -84,8 +85,18 @@ class DecodeGraphs:
     def capture(self) -> bool:
         """Capture every bucket; on any failure log why and stay eager. Returns whether graphs are in use."""
         try:
-            self._capture()
-            self._check()
+            try:
+                self._capture()
+                self._check()
+            except Exception as e:  # noqa: BLE001 - the Triton kernel is the likeliest part to fail: once without
+                if self.attention != "split":
+                    raise
+                log.error("CUDA graphs: capture with the Triton attention failed (%s: %s); trying the masked "
+                          "attention (reads the whole cache)", type(e).__name__, e, exc_info=True)
+                self.graphs.clear()
+                self.attention, self._attend = "masked", decode_attention.masked_attention
+                self._capture()
+                self._check()
         except Exception as e:  # noqa: BLE001 - any failure means: do not use graphs, say why
             self.graphs.clear()
             self.logits = {b: torch.zeros_like(t) for b, t in self.logits.items()}

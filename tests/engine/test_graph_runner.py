@@ -135,6 +135,19 @@ def test_a_failed_capture_falls_back_to_eager_and_says_why(runner, caplog):
     assert logits.shape == (2, runner.gen.head.shape[0]) and torch.isfinite(logits).all()
 
 
+def test_a_failed_capture_with_the_triton_attention_retries_with_the_masked_one(runner, caplog):
+    """Where Triton is installed: the split kernel is tried first, then the masked attention, each failure logged."""
+    from inflight.engine import decode_attention
+
+    if decode_attention.triton is None:
+        pytest.skip("triton is not installed")
+    with caplog.at_level(logging.ERROR, logger="inflight.engine.graph_runner"):
+        graphs = DecodeGraphs(runner, max_batch=8, capture=True, attention="split")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and "trying the masked attention" in errors[0] and "capture failed" in errors[1]
+    assert graphs.attention == "masked" and graphs.status.startswith("eager (CUDA graph capture failed")
+
+
 # ---- weight updates keep the graphs valid -------------------------------------------------------------------------
 def addresses(eng: InferenceEngine) -> dict[str, int]:
     """Every storage a captured graph would read: parameters, the generator's tensors, the KV cache, the buffers."""
