@@ -88,3 +88,17 @@ def test_bench_names_the_failed_stage_and_keeps_the_json(tmp_path):
     assert list(bench["stages"]) == ["pipeline"] and "no_such_option" in bench["stages"]["pipeline"]["error"]
     assert bench["pipelined_vs_sync_samples"] == {"value": None, "goal": None, "met": False}
     assert "engine_tokens_per_s_64" not in bench  # stages not asked for report nothing
+
+
+def test_cuda_graphs_check_dry_run_on_cpu(tmp_path):
+    """scripts/check_cuda_graphs.py end to end on CPU (graphs replayed eagerly): every part runs and its checks
+    hold; on a GPU the same script captures the graphs and measures."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / "check_cuda_graphs.py"), "--out", str(tmp_path), "--device",
+                        "cpu", "--tiny", "--streams", "2,4", "--new-tokens", "8"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "cuda_graphs.json").read_text())
+    assert res["capture"] == "eager replay" and "failed" not in res
+    assert res["match"]["same_tokens"] == 1.0 and res["match"]["max_logprob_diff"] < 1e-5
+    assert res["push"]["moved"] == [] and res["push"]["same_tokens"] == 1.0
+    assert set(res["speed"]) == {f"{m}_{n}_tokens_per_s" for m in ("off", "on") for n in (2, 4)}

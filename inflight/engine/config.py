@@ -15,7 +15,14 @@ class ServerConfig:
     max_model_len: int = 512
     max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)
     prefix_reuse: bool = True  # built-in engine: finished sequences' KV reused by prompts that continue them
+    cuda_graphs: str = "auto"  # auto | on | off: built-in engine's decode steps as CUDA graphs (auto: on for CUDA)
     api_key: str = ""
     threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
     python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)
     extra_args: list[str] = field(default_factory=list)  # appended to each server's command line (last wins)
+
+    def __post_init__(self) -> None:
+        # YAML reads a bare on / off as a boolean, which reaches a str field as "True" / "False"
+        self.cuda_graphs = {"true": "on", "false": "off"}.get(str(self.cuda_graphs).lower(), self.cuda_graphs)
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"server.cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")

@@ -25,6 +25,10 @@ on the engine thread until the weights reach v, and admits it in the same loop t
 (an RL actor can send a step's requests before the weights they need exist); after `version_wait_s` it fails with
 VersionNotReached instead.
 
+CUDA (`cuda_graphs`, graph_runner.py): pure decode steps replay a CUDA graph per batch bucket, with live-length
+attention (decode_attention.py); sampling and stop checks run on the device (device_sampling.py), one copy back per
+step. The runner is then pinned: weight updates copy in place, so the graphs stay valid.
+
 Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
 full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 /
 oneDNN-packed float32 weights from it in load_weights, inside the same pause, once per update. On the fast path
@@ -48,6 +52,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.contracts import tied_aliases
 from inflight.engine import llama_runner, precision
+from inflight.engine.device_sampling import CONTINUE, LENGTH, STOP, DeviceSampler
+from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.prefix_cache import Slots
 from inflight.engine.sampling import SamplingParams, sample
@@ -58,12 +64,14 @@ from inflight.modelkit.check import check_model_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_FINISH = {CONTINUE: None, STOP: "stop", LENGTH: "length"}
 
 
 class InferenceEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
                  max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
-                 generator_precision: str = "float32", prefix_reuse: bool = True):
+                 generator_precision: str = "float32", prefix_reuse: bool = True, cuda_graphs: str = "auto",
+                 device_sampling: bool | None = None):
         if threads > 0:
             torch.set_num_threads(threads)
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -83,8 +91,10 @@ class InferenceEngine:
         # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
         self.eos_ids = stop_token_ids(cfg, self.model.generation_config, self.tokenizer)
         why_not = llama_runner.supports(self.model)
-        if why_not is None:
-            self.runner = llama_runner.LlamaRunner(self.model, max_batch, self.max_model_len, generator_precision)
+        graphs = graphs_enabled(cuda_graphs, self.device, why_not)
+        if why_not is None:  # CUDA graphs: one more KV slot, the padding rows' scratch
+            self.runner = llama_runner.LlamaRunner(self.model, max_batch + graphs, self.max_model_len,
+                                                   generator_precision)
         elif generator_precision != "float32":
             raise ValueError(f"generator_precision {generator_precision!r} needs the fast llama path: {why_not}")
         else:
@@ -92,6 +102,13 @@ class InferenceEngine:
                         "(slower)", why_not)
             self.runner = HFRunner(self.model, max_batch, self.max_model_len)
         self.fast_path = why_not is None
+        self.graphs: DecodeGraphs | None = None
+        if graphs:  # the graphs hold the weights' and the cache's addresses: updates copy in place from now on
+            self.runner.pin_storage()
+            self.graphs = DecodeGraphs(self.runner, max_batch, capture=self.device.type == "cuda")
+            log.info("decode steps: %s", self.graphs.status)
+        on_device = self.device.type != "cpu" if device_sampling is None else device_sampling
+        self.sampler = DeviceSampler(max_batch, self.device, self.max_model_len) if on_device else None
         self.generator_precision = generator_precision
         self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
         self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
@@ -415,14 +432,18 @@ class InferenceEngine:
                 self._st["prefill_tokens_total"] += c
         if not chunks:
             return
-        self._forward_and_sample(chunks, want, seqs)
+        self._forward_and_sample(chunks, want, seqs, nd)
         if self.step_trace is not None:
             ctx = sum(start + 1 for _, start, _ in chunks[:nd])
             self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
 
-    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq]) -> None:
-        plan = StepPlan.build(chunks, want, self.device)
-        logits = self.runner.forward(plan)
+    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq], nd: int) -> None:
+        """nd: the first nd chunks are decodes (one token after a cached prefix, logits wanted)."""
+        if self.graphs is not None and nd == len(chunks):
+            logits = self.graphs.decode([ids[0] for _, _, ids in chunks], [start for _, start, _ in chunks],
+                                        [slot for slot, _, _ in chunks])
+        else:  # prefill chunks (or no graphs): the eager forward
+            logits = self.runner.forward(StepPlan.build(chunks, want, self.device))
         version = self.version
         self._st["steps"] += 1
         rows, sampled = [], []
@@ -451,19 +472,23 @@ class InferenceEngine:
     def _sample_and_emit(self, logits: torch.Tensor, seqs: list[_Seq], version: int) -> None:
         ps = [s.req.params for s in seqs]
         dev = logits.device
-        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
-        top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long)
         u = torch.rand(len(seqs), generator=self._rng)
         for i, s in enumerate(seqs):
             if s.gen is not None:
                 u[i] = torch.rand(1, generator=s.gen)[0]
         filtered = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps)
         num_top = max(p.top_logprobs for p in ps)
-        tokens, logprobs, top = sample(logits, temp.to(dev), top_p.to(dev), top_k.to(dev), u.to(dev), num_top,
-                                       filtered, self.runner.kernels)
-        tok_l, lp_l = tokens.tolist(), logprobs.tolist()
-        top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
+        codes = None
+        if self.sampler is not None:  # on the device: one copy back per step, stop checks included
+            tok_l, lp_l, codes, top_v, top_i = self.sampler.run(logits, seqs, u.tolist(), filtered, num_top)
+        else:
+            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+            tokens, logprobs, top = sample(logits, temp, top_p, top_k, u.to(dev), num_top, filtered,
+                                           self.runner.kernels)
+            tok_l, lp_l = tokens.tolist(), logprobs.tolist()
+            top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
         finished = False
         for i, (s, tok, lp, p) in enumerate(zip(seqs, tok_l, lp_l, ps)):
             s.tokens.append(tok)
@@ -472,7 +497,9 @@ class InferenceEngine:
             if p.top_logprobs:
                 tl = [(t, v) for t, v in zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs]) if v > -1e30]
             reason = None
-            if tok in s.req.stop_ids:
+            if codes is not None:
+                reason = _FINISH[codes[i]]
+            elif tok in s.req.stop_ids:
                 reason = "stop"
             elif s.n_gen >= p.max_tokens or len(s.tokens) >= self.max_model_len:
                 reason = "length"

@@ -154,6 +154,7 @@ class LlamaRunner:
         use_c = kernels and cpu_kernels.usable(self.device, self.dtype, self.head_dim)
         self.kernels = cpu_kernels.Kernels(cpu_kernels.load()) if use_c else None
         self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
+        self.pinned = False  # pin_storage(): weights and KV never move (CUDA graphs hold their addresses)
         self._repacker: _Repacker | None = None  # float32 packing after an update, off the engine thread
         self.after_weight_update()
 
@@ -179,6 +180,8 @@ class LlamaRunner:
         args = (self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight, head.weight,
                 head.bias)
         self.weight_builds += 1
+        if self.pinned and prec.refresh(self.gen, *args):
+            return  # in place: every tensor keeps the address a captured CUDA graph reads
         defer = (self.weight_builds > 1 and self.pack and self.precision == "float32"
                  and prec.packing_available(self.device))
         self.gen = prec.build(*args, pack=self.pack and not defer)
@@ -327,6 +330,10 @@ class LlamaRunner:
         background re-pack of it is dropped as stale), so stage() may write it."""
         for where, new, lent in prepared:
             old = self._storage(where)
+            if self.pinned:  # copy into the storage the graphs read (prepare_swap's buffers are private copies)
+                with torch.no_grad():
+                    old.copy_(new)
+                continue
             li, key = where
             if li >= 0:
                 self.layers[li][key] = new
@@ -340,6 +347,15 @@ class LlamaRunner:
                 self._lent.discard(where)
                 if self.double_buffer and not was_lent:  # a lent segment is never anybody's spare
                     self._spares[where] = old
+
+    def pin_storage(self) -> None:
+        """From now on every weight tensor, generator copy and the KV cache keep their storage: updates are copied
+        in place (swap() copies instead of re-pointing; no staging spare, no packed float32 copies, which a
+        rebuild would replace), so a captured CUDA graph stays valid across weight updates."""
+        self.pinned, self.double_buffer, self.pack = True, False, False
+        self._spares.clear()
+        self.gen = prec.build(self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight,
+                              self.model.lm_head.weight, self.model.lm_head.bias, pack=False)
 
     def install_packed(self) -> bool:
         """At a step boundary: swap in the packed weights of the current master, if the background has them."""

@@ -170,3 +170,30 @@ def build(precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.T
     head_dt = torch.float32 if precision == "bfloat16-fp32-head" else dt
     cast_h = lambda t: None if t is None else t.detach().to(head_dt)  # noqa: E731
     return GeneratorWeights(cast(embed), blayers, cast_h(norm), cast_h(head), cast_h(head_bias), head_dt)
+
+
+def _pairs(gen: GeneratorWeights, embed, layers, norm, head, head_bias):
+    yield gen.embed, embed
+    for G, L in zip(gen.layers, layers):
+        for k, v in L.items():
+            if isinstance(v, torch.Tensor) or isinstance(G[k], torch.Tensor):
+                yield G[k], v
+    yield gen.norm, norm
+    yield gen.head, head
+    yield gen.head_bias, head_bias
+
+
+def refresh(gen: GeneratorWeights, precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.Tensor,
+            head: torch.Tensor, head_bias: torch.Tensor | None) -> bool:
+    """After an update of the master weights: copy them into `gen`'s own tensors in place (a bf16 copy is
+    re-rounded, a float32 generator already is the master), so every tensor keeps its address (what a captured
+    CUDA graph reads). False, changing nothing, when `gen` holds something that is not a plain tensor (int8 or
+    packed matrices: rebuild those)."""
+    pairs = list(_pairs(gen, embed, layers, norm, head, head_bias))
+    if any((g is None) != (m is None) or (g is not None and not isinstance(g, torch.Tensor)) for g, m in pairs):
+        return False
+    with torch.no_grad():
+        for g, m in pairs:
+            if g is not None and g is not m:
+                g.copy_(m)
+    return True

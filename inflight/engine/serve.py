@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished sequences' KV in free slots; a prompt that continues one (a multi-turn "
                         "episode's next turn) prefills only the rest (engine/prefix_cache.py)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="decode steps replayed as CUDA graphs, one per batch bucket (auto: on a CUDA device; on: "
+                        "also on CPU, run eagerly, for checks; docs/backends.md)")
     p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env INFLIGHT_API_KEY)")
     p.add_argument("--allow-remote-admin", action="store_true",
@@ -81,7 +84,8 @@ def build_app(args: argparse.Namespace):
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision,
-                             prefix_reuse=getattr(args, "prefix_reuse", True))
+                             prefix_reuse=getattr(args, "prefix_reuse", True),
+                             cuda_graphs=getattr(args, "cuda_graphs", "auto"))
     app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,

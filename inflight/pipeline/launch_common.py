@@ -149,6 +149,7 @@ def engine_options(s: Any, cuda: bool) -> list[str]:
                 "--max-tokens-per-step", str(s.max_tokens_per_step), "--threads", str(s.threads),
                 *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
                 *([] if s.prefix_reuse else ["--no-prefix-reuse"]),
+                *(["--cuda-graphs", s.cuda_graphs] if s.cuda_graphs != "auto" else []),
                 *(["--device", "cuda"] if cuda else [])]
     if s.engine == "vllm":  # vLLM's engine arguments (parsed by vLLM: engine/vllm_backend/launcher.py)
         return ["--engine", "vllm", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),

@@ -1,0 +1,107 @@
+"""Static-shape decode attention (engine/decode_attention.py) against a float64 softmax over each sequence's own
+keys: the masked torch path, the split kernel's math in torch (its CPU reference) and, where Triton is installed,
+the Triton kernel itself under Triton's CPU interpreter (in a subprocess: TRITON_INTERPRET is read when the kernel
+is defined)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.engine import decode_attention as da
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def case(dtype=torch.float32, seed=0):
+    """GQA 14 query heads over 2 kv heads (Qwen2.5-0.5B's), T=600: three splits; lengths at and across the split
+    and block edges, slots out of order, other slots full of large values that must not leak in."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, KV, D, T, S = 7, 14, 2, 64, 600, 9
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    kc = (torch.randn(S, KV, T, D, generator=g) * 2).to(dtype)
+    vc = torch.randn(S, KV, T, D, generator=g).to(dtype)
+    slots = torch.tensor([4, 0, 8, 2, 7, 1, 5])
+    lens = torch.tensor([1, 63, 64, 255, 257, 512, 600])
+    for b in range(B):  # garbage past each length
+        kc[slots[b], :, lens[b]:] = 1e4
+        vc[slots[b], :, lens[b]:] = 1e4
+    return q, kc, vc, slots, lens, 1 / 8
+
+
+def ref64(q, kc, vc, slots, lens, scale):
+    B, H, D = q.shape
+    rep = H // kc.shape[1]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        k = kc[slots[b], :, :n].double().repeat_interleave(rep, 0)  # [H, n, D]
+        v = vc[slots[b], :, :n].double().repeat_interleave(rep, 0)
+        a = torch.softmax(torch.einsum("hd,htd->ht", q[b].double(), k) * scale, -1)
+        out[b] = torch.einsum("ht,htd->hd", a, v)
+    return out
+
+
+@pytest.mark.parametrize("fn", [da.masked_attention, da.split_reference])
+def test_matches_float64(fn):
+    args = case()
+    err = (fn(*args).double() - ref64(*args)).abs().max().item()
+    assert err < 1e-5, err
+
+
+def test_bfloat16_within_its_rounding():
+    args = case(torch.bfloat16)
+    for fn in (da.masked_attention, da.split_reference):
+        err = (fn(*args).double() - ref64(*args)).abs().max().item()
+        assert err < 3e-2, (fn.__name__, err)
+
+
+def test_combine_of_one_split_is_plain_softmax():
+    """One split: combine must return acc / l unchanged; an empty split (m = -inf, l = 0) adds nothing."""
+    g = torch.Generator().manual_seed(1)
+    m, l, acc = torch.randn(2, 3, 1, generator=g), torch.rand(2, 3, 1, generator=g) + 0.5, torch.randn(2, 3, 1, 4)
+    assert torch.allclose(da.combine(m, l, acc), acc[:, :, 0] / l)
+    m2 = torch.cat([m, torch.full_like(m, float("-inf"))], -1)
+    l2, acc2 = torch.cat([l, torch.zeros_like(l)], -1), torch.cat([acc, torch.zeros_like(acc)], 2)
+    assert torch.allclose(da.combine(m2, l2, acc2), acc[:, :, 0] / l)
+
+
+_INTERPRETED = """
+import numpy as np
+import torch
+from triton.runtime import interpreter
+
+_orig = interpreter._patch_lang_tensor
+
+
+def _patched(tensor):  # the interpreter turns a loaded scalar into a 1-element array; numpy 2 refuses int() of it
+    _orig(tensor)
+    tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+
+
+interpreter._patch_lang_tensor = _patched
+from inflight.engine import decode_attention as da
+from tests.engine.test_decode_attention import case, ref64
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    args = case(dtype, seed=2)
+    err = (da.split_attention(*args).double() - ref64(*args)).abs().max().item()
+    assert err < tol, (dtype, err)
+    print("ok", dtype, err)
+"""
+
+
+def test_triton_kernel_under_the_interpreter():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed (it ships with CUDA builds of torch)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.count("ok") == 2, r.stdout + r.stderr
