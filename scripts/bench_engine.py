@@ -38,6 +38,13 @@ def start_server(a: Any, cfg: Any, model: str, out: Path, rep: Report) -> Any:
     return server
 
 
+def decode_path(log_path: Path) -> str:
+    """What the server's start-up log says its decode steps run as (CUDA graphs captured, eager, and why; the line
+    is logged at INFO whenever the graph runner starts)."""
+    lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "decode steps: " in ln]
+    return lines[-1].split("decode steps: ", 1)[1] if lines else "eager (no graph runner started)"
+
+
 def token_request(model: str, vocab: int, prompt: Callable[[random.Random], int],
                   new: Callable[[random.Random], int]) -> Callable[[int, int], tuple[str, dict]]:
     """Request factory for smoke_server._load: random prompt ids (no prefix reuse between requests)."""
@@ -177,7 +184,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
         for streams, key in zip(a.streams, ("64", "256")):
             res = steady(url, name, streams, req, a.warm_s, a.window_s)
             rep.figure(f"engine_tokens_per_s_{key}", res["tokens_per_s"], streams=streams, prompt_tokens=p,
-                       new_tokens=n_new, **res)
+                       new_tokens=n_new, decode_path=decode_path(out / f"server-{a.child}.log"), **res)
             ctx = p + n_new / 2  # mean context over a request's decode steps
             f_ms, f_bytes = floor_ms(shape, itemsize, res["tokens_per_step"], ctx, bandwidth)
             rep.figure(f"engine_step_ms_vs_floor_{key}", res["step_ms"] / f_ms, step_ms=res["step_ms"],

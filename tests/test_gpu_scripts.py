@@ -73,6 +73,7 @@ def test_bench_dry_run_reports_every_figure(tmp_path):
     assert bench["engine_logprob_max_diff"]["context"]["logprob_mean_abs_diff_old_weights"] > 0.01
     assert bench["trainer_logprob_max_diff"]["value"] < 1e-4
     assert bench["engine_tokens_per_s_64"]["value"] > 0 and bench["engine_step_ms_vs_floor_64"]["value"] > 1
+    assert bench["engine_tokens_per_s_64"]["context"]["decode_path"].startswith("eager")  # CPU: no CUDA graphs
     assert set(bench["push_s"]["context"]["transports"]) >= {"process_group", "shm"}
     top = bench["trainer_tokens_per_s"]["context"]["profile_top"]
     assert top and all(e["self_ms"] >= 0 and e["calls"] >= 1 for e in top)
