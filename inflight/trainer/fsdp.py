@@ -113,7 +113,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=attn_implementation(self.cfg))
-        return for_training(model, self.cfg, self.model_path)
+        return for_training(model, self.cfg, self.model_path, self.device, self.world_size)
 
     def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
         """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""

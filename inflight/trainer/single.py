@@ -18,7 +18,10 @@ import torch
 from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.config import TrainerConfig
-from inflight.trainer.logprobs import packed_logits, token_logprobs
+from inflight.trainer.head import install as install_head
+from inflight.trainer.logprobs import packed_token_logprobs
+from inflight.trainer.memory import decide as decide_checkpointing
+from inflight.trainer.memory import parse_choice
 from inflight.trainer.optim import build_optimizer
 
 
@@ -45,6 +48,7 @@ def check_config(cfg: TrainerConfig) -> None:
         raise ValueError(f"trainer.precision must be 'float32' or 'bf16-mixed', got {cfg.precision!r}")
     if cfg.attention not in ATTENTIONS:
         raise ValueError(f"trainer.attention must be one of {ATTENTIONS}, got {cfg.attention!r}")
+    parse_choice(cfg.gradient_checkpointing)
     if cfg.micro_batch_tokens <= 0:
         raise ValueError(f"trainer.micro_batch_tokens must be positive, got {cfg.micro_batch_tokens}")
     if cfg.lora is not None:
@@ -64,14 +68,19 @@ def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str =
     return for_training(model, cfg, model_path)
 
 
-def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None) -> torch.nn.Module:
-    """No KV cache; gradient checkpointing when configured; the LoRA adapter when configured."""
+def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None,
+                 device: torch.device | str | None = None, world_size: int = 1) -> torch.nn.Module:
+    """No KV cache; the chunked head; gradient checkpointing when configured (auto: when the step would not fit
+    `device`, default: the model's, memory.py); the LoRA adapter when configured."""
     model.config.use_cache = False
     if cfg.lora is not None:
         from inflight.trainer.lora import add_adapter
 
         model = add_adapter(model, cfg.lora, model_path)
-    if cfg.gradient_checkpointing:
+    if cfg.chunked_head:
+        install_head(model)  # logprobs from the hidden states a chunk at a time (head.py); else the full logits
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if decide_checkpointing(model, cfg, device, world_size):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -144,8 +153,7 @@ class SingleDeviceTrainer:
         model.eval()
         try:
             with autocast(self.cfg, self.device):
-                logits = packed_logits(model, batch, self.device, self.share_prompts)
-            lp, _ = token_logprobs(logits, batch)
+                lp, _ = packed_token_logprobs(model, batch, self.device, self.share_prompts)
         finally:
             model.train(was_training)
         return lp.cpu()
@@ -153,9 +161,9 @@ class SingleDeviceTrainer:
     def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         model = self._require_init()
         model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
+        need_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         with autocast(self.cfg, self.device):
-            logits = packed_logits(model, batch, self.device, self.share_prompts)
-        lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
+            lp, ent = packed_token_logprobs(model, batch, self.device, self.share_prompts, need_entropy)
         loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
         loss.backward()
         return stats
