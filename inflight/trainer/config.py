@@ -31,7 +31,7 @@ class TrainerConfig:
     precision: str = "float32"  # float32 | bf16-mixed (GPU)
     gradient_checkpointing: bool | str = False  # true | false | auto (on only when the step would not fit the device)
     chunked_head: bool = True  # logprobs from the hidden states a chunk of tokens at a time (no [tokens, vocab] logits)
-    attention: str = "auto"  # auto | inflight_packed (per-sample SDPA) | sdpa (4D mask) | eager | flash_attention_2
+    attention: str = "auto"  # auto | inflight_varlen (GPU) | inflight_packed (CPU) | sdpa | eager | flash_attention_2
     fused_optimizer: bool = True  # torch's fused AdamW kernel where it runs (CUDA; plain CPU tensors)
     lr: float = 3e-4
     weight_decay: float = 0.0

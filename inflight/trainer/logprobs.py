@@ -2,6 +2,7 @@
 
 Packed attention: one row of T tokens holding several samples; attention never crosses samples.
 - "inflight_packed" (CPU default, attention.py): causal SDPA per sample slice, boundaries from cu_seq_lens_q;
+- "inflight_varlen" (GPU default, varlen.py): the same boundaries, one variable-length flash call per layer;
 - "flash_attention_2" (GPU): no mask, varlen kernel, boundaries from the position_ids (restarting at 0 per sample);
 - "sdpa" / "eager": an explicit block-diagonal causal 4D mask (transformers passes a 4D mask through as-is);
   correct for any architecture, but costs T^2 attention per row.
@@ -21,6 +22,9 @@ from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.attention import packed_call
 from inflight.trainer.head import CHUNK_ELEMS
 from inflight.trainer.prefix import shared_layout
+from inflight.trainer.varlen import NAME as VARLEN
+
+OURS = (PACKED, VARLEN)  # attentions that take the sample boundaries and the shared-prompt layout
 
 
 def block_causal_mask(sample_index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -48,7 +52,7 @@ def _plan(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
     output row of every packed token, None when the output rows are the packed tokens)."""
     lens = list(batch.seq_lens)
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl == PACKED and share_prompts and (layout := shared_layout(batch, device)) is not None:
+    if impl in OURS and share_prompts and (layout := shared_layout(batch, device)) is not None:
         return {"input_ids": layout.ids[None], "position_ids": layout.pos[None], "inflight_layout": layout}, True, \
             layout.back
     if uniform(batch):  # [B, L]: plain causal attention, no padding, no mask
@@ -57,7 +61,7 @@ def _plan(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
         return {"input_ids": ids, "position_ids": batch.position_ids.to(device).view(shape)}, False, None
     ids = batch.input_ids.to(device)[None]
     pos = batch.position_ids.to(device)[None]
-    if impl == PACKED:
+    if impl in OURS:
         cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(device, torch.int32)
         return {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
                 "max_length_q": max(lens), "max_length_k": max(lens)}, True, None

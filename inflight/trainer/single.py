@@ -23,14 +23,19 @@ from inflight.trainer.logprobs import packed_token_logprobs
 from inflight.trainer.memory import decide as decide_checkpointing
 from inflight.trainer.memory import parse_choice
 from inflight.trainer.optim import build_optimizer
+from inflight.trainer.varlen import NAME as VARLEN
+from inflight.trainer.varlen import available as varlen_available
 
 
 def attn_implementation(cfg: TrainerConfig) -> str:
-    """cfg.attention, or for "auto": varlen flash attention on GPU when installed and the compute is half
-    precision; otherwise per-sample SDPA over the packed row ("inflight_packed", see attention.py)."""
+    """cfg.attention, or for "auto": on GPU in half precision one variable-length call per layer, torch's own
+    varlen kernel ("inflight_varlen", varlen.py; shares prompts like the packed path) where this torch has it, else
+    flash-attn's when installed; otherwise per-sample SDPA over the packed row ("inflight_packed", attention.py)."""
     if cfg.attention != "auto":
         return cfg.attention
     if cfg.device.startswith("cuda") and cfg.precision == "bf16-mixed":
+        if varlen_available("cuda"):
+            return VARLEN
         try:
             import flash_attn  # noqa: F401
 
@@ -40,7 +45,7 @@ def attn_implementation(cfg: TrainerConfig) -> str:
     return PACKED
 
 
-ATTENTIONS = ("auto", PACKED, "sdpa", "eager", "flash_attention_2")
+ATTENTIONS = ("auto", PACKED, VARLEN, "sdpa", "eager", "flash_attention_2")
 
 
 def check_config(cfg: TrainerConfig) -> None:
