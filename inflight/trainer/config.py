@@ -27,6 +27,7 @@ def served_adapter_name(prefix: str, version: int) -> str:
 class TrainerConfig:
     backend: str = "single"  # single | fsdp2
     num_processes: int = 1  # ranks for fsdp2
+    fsdp_shard_one_rank: bool = False  # fsdp2 at one rank: shard anyway (false: the plain module, nothing to shard)
     device: str = "cpu"
     precision: str = "float32"  # float32 | bf16-mixed (GPU)
     gradient_checkpointing: bool | str = False  # true | false | auto (on only when the step would not fit the device)
