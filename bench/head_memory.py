@@ -1,6 +1,7 @@
 """Peak memory and time of the head's logprobs + entropy, forward and backward, three ways (not a test):
 
     .venv/bin/python bench/head_memory.py [--tokens 4096] [--vocab 49152] [--hidden 576] [--dtype float32|bfloat16]
+                                          [--ways naive,full,chunked] [--repeat 3]
 
 - `full`: the model's full logits (hidden @ W.T, [T, V]), then token_logprobs (logprobs.py: float32 a chunk of rows
   at a time, each chunk recomputed in backward), as the trainer ran before the chunked head;
@@ -83,13 +84,14 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ways", default="naive,full,chunked", help="which of naive, full, chunked (comma-separated)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(run_one(a.one, a.tokens, a.vocab, a.hidden, a.dtype, a.repeat)))
         return 0
     rows = []
-    for way in ("naive", "full", "chunked"):
+    for way in a.ways.split(","):
         out = subprocess.run([sys.executable, __file__, "--one", way, "--tokens", str(a.tokens), "--vocab",
                               str(a.vocab), "--hidden", str(a.hidden), "--dtype", a.dtype, "--repeat", str(a.repeat)],
                              cwd=ROOT, capture_output=True, text=True, check=True)
@@ -99,7 +101,7 @@ def main() -> int:
           f"(float32 logits of all tokens: {logits_mb:.0f} MB)")
     for r in rows:
         print(f"  {r['way']:8s} peak {r['peak_mb']:8.0f} MB   {r['cpu_s']:.2f} s CPU   "
-              f"peak / chunked {r['peak_mb'] / rows[-1]['peak_mb']:.1f}x")
+              f"peak / last {r['peak_mb'] / rows[-1]['peak_mb']:.1f}x")
     return 0
 
 

@@ -9,8 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from inflight.trainer import head
-from inflight.trainer.logprobs import packed_token_logprobs
+from inflight.trainer.logprobs import packed_token_logprobs, uniform
 from inflight.trainer.packing import collate
+from inflight.trainer.prefix import shared_layout
 
 from .helpers import random_samples
 from .test_prefix import group_samples
@@ -180,3 +181,10 @@ def test_unsupported_heads_keep_the_logits(tiny_model_dir):
     model.config.final_logit_softcapping = None
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
     assert "bias" in head.supported(model)
+
+
+def test_batches_cover_the_three_layouts():
+    packed, shared, same = _batches(82)
+    assert not uniform(packed) and shared_layout(packed, "cpu") is None
+    assert shared_layout(shared, "cpu") is not None
+    assert uniform(same) and len(same.seq_lens) > 1
