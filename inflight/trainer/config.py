@@ -27,10 +27,13 @@ def served_adapter_name(prefix: str, version: int) -> str:
 class TrainerConfig:
     backend: str = "single"  # single | fsdp2
     num_processes: int = 1  # ranks for fsdp2 (actor.groups_per_step must be a multiple of it)
+    fsdp_shard_one_rank: bool = False  # fsdp2 at one rank: shard anyway (false: the plain module, nothing to shard)
     device: str = "cpu"
     precision: str = "float32"  # float32 | bf16-mixed (GPU)
-    gradient_checkpointing: bool = False
-    attention: str = "auto"  # auto | inflight_packed (per-sample SDPA) | sdpa (4D mask) | eager | flash_attention_2
+    gradient_checkpointing: bool | str = False  # true | false | auto (on only when the step would not fit the device)
+    chunked_head: bool = True  # logprobs from the hidden states a chunk of tokens at a time (no [tokens, vocab] logits)
+    attention: str = "auto"  # auto | inflight_varlen (GPU) | inflight_packed (CPU) | sdpa | eager | flash_attention_2
+    fused_optimizer: bool = True  # torch's fused AdamW kernel where it runs (CUDA; plain CPU tensors)
     lr: float = 3e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

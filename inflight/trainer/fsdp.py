@@ -82,6 +82,9 @@ class FSDP2Trainer(SingleDeviceTrainer):
                                     device_id=self.device if cuda else None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)  # collective: every rank, same order
+        if self.world_size == 1 and not self.cfg.fsdp_shard_one_rank:
+            self._init_plain()
+            return
         # Only rank 0 reads the checkpoint (full float32 on the host, once per machine instead of once per rank);
         # every rank builds the model on the meta device, shards it, allocates its shard on the device, and gets
         # the values from rank 0: parameters and persistent buffers by set_model_state_dict(broadcast_from_rank0),
@@ -125,6 +128,22 @@ class FSDP2Trainer(SingleDeviceTrainer):
             model.generation_config = GenerationConfig.from_pretrained(self.model_path)
         return model
 
+    def _init_plain(self) -> None:
+        """One rank: nothing to shard. The plain module, as the single-device trainer holds it (float32 weights and
+        gradients, bf16-mixed by autocast), without FSDP's per-block copies and hooks; every collective method keeps
+        working on it."""
+        from transformers import AutoTokenizer
+
+        self.model = load_model(self.model_path, self.cfg, self.device)
+        if self.device.type == "cpu":
+            from inflight.trainer.fused import fuse_modules
+
+            fuse_modules(self.model)  # as SingleDeviceTrainer.init
+        if self.cfg.lora is None:
+            self.skeleton = self._skeleton()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
+
     def _meta_model(self) -> torch.nn.Module:
         """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -133,7 +152,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=attn_implementation(self.cfg))
-        return for_training(model, self.cfg, self.model_path)
+        return for_training(model, self.cfg, self.model_path, self.device, self.world_size)
 
     def _values_from_rank0(self, model: torch.nn.Module, source: torch.nn.Module | None) -> None:
         """Collective: rank 0's loaded weights into every rank's shards, its buffers into every rank's buffers."""

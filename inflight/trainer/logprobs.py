@@ -2,6 +2,7 @@
 
 Packed attention: one row of T tokens holding several samples; attention never crosses samples.
 - "inflight_packed" (CPU default, attention.py): causal SDPA per sample slice, boundaries from cu_seq_lens_q;
+- "inflight_varlen" (GPU default, varlen.py): the same boundaries, one variable-length flash call per layer;
 - "flash_attention_2" (GPU): no mask, varlen kernel, boundaries from the position_ids (restarting at 0 per sample);
 - "sdpa" / "eager": an explicit block-diagonal causal 4D mask (transformers passes a 4D mask through as-is);
   correct for any architecture, but costs T^2 attention per row.
@@ -11,12 +12,19 @@ all of that: the row is reshaped to a [B, L] batch and run as a plain causal for
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from inflight.contracts import TrainBatch
+from inflight.trainer import head
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.attention import packed_call
+from inflight.trainer.head import CHUNK_ELEMS
 from inflight.trainer.prefix import shared_layout
+from inflight.trainer.varlen import NAME as VARLEN
+
+OURS = (PACKED, VARLEN)  # attentions that take the sample boundaries and the shared-prompt layout
 
 
 def block_causal_mask(sample_index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,42 +46,76 @@ def uniform(batch: TrainBatch) -> bool:
     return len(lens) > 0 and min(lens) == max(lens) and sum(lens) == batch.input_ids.shape[0]
 
 
-def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
-                  share_prompts: bool = True) -> torch.Tensor:
-    """Logits [T, V] of one packed micro-batch. With "inflight_packed" attention and `share_prompts`, samples with
-    the same prompt run it once (prefix.py); the logits come back in the packed layout either way."""
+def _plan(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str, share_prompts: bool
+          ) -> tuple[dict, bool, torch.Tensor | None]:
+    """How to run the micro-batch: the model's keyword arguments, whether inside `packed_call()`, and `back` (the
+    output row of every packed token, None when the output rows are the packed tokens)."""
     lens = list(batch.seq_lens)
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl == PACKED and share_prompts and (layout := shared_layout(batch, device)) is not None:
-        with packed_call():
-            out = model(input_ids=layout.ids[None], position_ids=layout.pos[None], attention_mask=None,
-                        use_cache=False, inflight_layout=layout)
-        return out.logits[0].index_select(0, layout.back)
+    if impl in OURS and share_prompts and (layout := shared_layout(batch, device)) is not None:
+        return {"input_ids": layout.ids[None], "position_ids": layout.pos[None], "inflight_layout": layout}, True, \
+            layout.back
     if uniform(batch):  # [B, L]: plain causal attention, no padding, no mask
         shape = (len(lens), lens[0])
         ids = batch.input_ids.to(device).view(shape)
-        pos = batch.position_ids.to(device).view(shape)
-        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False)
-        return out.logits.reshape(ids.numel(), -1)
+        return {"input_ids": ids, "position_ids": batch.position_ids.to(device).view(shape)}, False, None
     ids = batch.input_ids.to(device)[None]
     pos = batch.position_ids.to(device)[None]
-    if impl == PACKED:
+    if impl in OURS:
         cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(device, torch.int32)
-        with packed_call():
-            out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False, cu_seq_lens_q=cu,
-                        cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
-        return out.logits[0]
+        return {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                "max_length_q": max(lens), "max_length_k": max(lens)}, True, None
     if "flash" in impl:
         mask = None  # varlen: sequence boundaries from position_ids
     elif impl == "eager":
         mask = block_causal_mask(batch.sample_index.to(device), dtype=model.dtype)
     else:
         mask = block_causal_mask(batch.sample_index.to(device))
-    out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False)
-    return out.logits[0]
+    return {"input_ids": ids, "position_ids": pos, "attention_mask": mask}, False, None
 
 
-CHUNK_ELEMS = 1 << 26  # float32 logits per chunk (256 MB): ~440 tokens at a 152k vocabulary
+def _forward(model: torch.nn.Module, kwargs: dict, packed: bool) -> torch.Tensor:
+    kwargs = {"attention_mask": None, **kwargs, "use_cache": False}
+    with packed_call() if packed else contextlib.nullcontext():
+        return model(**kwargs).logits
+
+
+def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
+                  share_prompts: bool = True) -> torch.Tensor:
+    """Logits [T, V] of one packed micro-batch. With "inflight_packed" attention and `share_prompts`, samples with
+    the same prompt run it once (prefix.py); the logits come back in the packed layout either way."""
+    kwargs, packed, back = _plan(model, batch, device, share_prompts)
+    logits = _forward(model, kwargs, packed)
+    logits = logits.reshape(-1, logits.shape[-1])
+    return logits if back is None else logits.index_select(0, back)
+
+
+def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
+                          share_prompts: bool = True, need_entropy: bool = False, chunk_elems: int = CHUNK_ELEMS
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of the micro-batch under the model. With the chunked head installed (head.py) they come
+    from the final hidden states a chunk of tokens at a time, and no [T, V] logits exist; otherwise from the
+    model's logits. Call it inside the trainer's autocast: the head runs in autocast's dtype."""
+    if not head.installed(model):
+        logits = packed_logits(model, batch, device, share_prompts)
+        with torch.autocast(torch.device(device).type, enabled=False):  # float32 from the logits, as always
+            return token_logprobs(logits, batch, need_entropy, chunk_elems)
+    kwargs, packed, back = _plan(model, batch, device, share_prompts)
+    n = batch.input_ids.shape[0]
+    pos = batch.position_ids
+    tokens = torch.nonzero(pos[1:] != 0)[:, 0] + 1  # tokens something predicts: not a sample's first
+    rows = tokens - 1
+    rows = rows.to(device) if back is None else back.index_select(0, rows.to(back.device))
+    request = head.HeadRequest(rows.to(device), batch.input_ids[tokens].to(device), batch.temperature, need_entropy,
+                               chunk_elems)
+    with head.head_request(request):
+        out = _forward(model, kwargs, packed)
+    tokens = tokens.to(out.device)
+    lp = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, tokens, out[:, 0])
+    ent = None
+    if need_entropy:
+        ent = torch.zeros(n, dtype=out.dtype, device=out.device).index_copy(0, tokens, out[:, 1])
+    return lp, ent
 
 
 def token_logprobs(

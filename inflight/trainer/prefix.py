@@ -87,6 +87,20 @@ class SharedLayout:
             out.append((src_t, None if full else dst_t, osrc_t, odst_t, len(members), width))
         return out
 
+    @functools.cached_property
+    def concat_rows(self) -> tuple:
+        """The rows laid end to end, for one variable-length call (varlen.py): (src, cu, max_len, out_src,
+        out_pos): the compact token each entry reads, the rows' int32 bounds, the longest row, and which entries
+        write back (the owned ones) to which compact tokens. Built on first use, once per micro-batch."""
+        src, cu, out_src, out_pos = [], [0], [], []
+        for r, own in zip(self.rows, self.owner):
+            out_src += r[own:]
+            out_pos += range(cu[-1] + own, cu[-1] + len(r))
+            src += r
+            cu.append(cu[-1] + len(r))
+        t = functools.partial(torch.tensor, device=self.device)
+        return t(src), t(cu, dtype=torch.int32), max(map(len, self.rows), default=0), t(out_src), t(out_pos)
+
 
 def _contexts(batch: TrainBatch) -> list[tuple[int, int, int]]:
     """(start, length, context length) per sample; the context ends at the sample's first trained token."""

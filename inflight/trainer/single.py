@@ -19,16 +19,24 @@ from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.gather import gathered
-from inflight.trainer.logprobs import packed_logits, token_logprobs
+from inflight.trainer.head import install as install_head
+from inflight.trainer.logprobs import packed_token_logprobs
+from inflight.trainer.memory import decide as decide_checkpointing
+from inflight.trainer.memory import parse_choice
 from inflight.trainer.optim import build_optimizer
+from inflight.trainer.varlen import NAME as VARLEN
+from inflight.trainer.varlen import available as varlen_available
 
 
 def attn_implementation(cfg: TrainerConfig) -> str:
-    """cfg.attention, or for "auto": varlen flash attention on GPU when installed and the compute is half
-    precision; otherwise per-sample SDPA over the packed row ("inflight_packed", see attention.py)."""
+    """cfg.attention, or for "auto": on GPU in half precision one variable-length call per layer, torch's own
+    varlen kernel ("inflight_varlen", varlen.py; shares prompts like the packed path) where this torch has it, else
+    flash-attn's when installed; otherwise per-sample SDPA over the packed row ("inflight_packed", attention.py)."""
     if cfg.attention != "auto":
         return cfg.attention
     if cfg.device.startswith("cuda") and cfg.precision == "bf16-mixed":
+        if varlen_available("cuda"):
+            return VARLEN
         try:
             import flash_attn  # noqa: F401
 
@@ -38,7 +46,7 @@ def attn_implementation(cfg: TrainerConfig) -> str:
     return PACKED
 
 
-ATTENTIONS = ("auto", PACKED, "sdpa", "eager", "flash_attention_2")
+ATTENTIONS = ("auto", PACKED, VARLEN, "sdpa", "eager", "flash_attention_2")
 
 
 def check_config(cfg: TrainerConfig) -> None:
@@ -46,6 +54,7 @@ def check_config(cfg: TrainerConfig) -> None:
         raise ValueError(f"trainer.precision must be 'float32' or 'bf16-mixed', got {cfg.precision!r}")
     if cfg.attention not in ATTENTIONS:
         raise ValueError(f"trainer.attention must be one of {ATTENTIONS}, got {cfg.attention!r}")
+    parse_choice(cfg.gradient_checkpointing)
     if cfg.micro_batch_tokens <= 0:
         raise ValueError(f"trainer.micro_batch_tokens must be positive, got {cfg.micro_batch_tokens}")
     if cfg.lora is not None:
@@ -65,14 +74,19 @@ def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str =
     return for_training(model, cfg, model_path)
 
 
-def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None) -> torch.nn.Module:
-    """No KV cache; gradient checkpointing when configured; the LoRA adapter when configured."""
+def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None,
+                 device: torch.device | str | None = None, world_size: int = 1) -> torch.nn.Module:
+    """No KV cache; the chunked head; gradient checkpointing when configured (auto: when the step would not fit
+    `device`, default: the model's, memory.py); the LoRA adapter when configured."""
     model.config.use_cache = False
     if cfg.lora is not None:
         from inflight.trainer.lora import add_adapter
 
         model = add_adapter(model, cfg.lora, model_path)
-    if cfg.gradient_checkpointing:
+    if cfg.chunked_head:
+        install_head(model)  # logprobs from the hidden states a chunk at a time (head.py); else the full logits
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if decide_checkpointing(model, cfg, device, world_size):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -145,8 +159,7 @@ class SingleDeviceTrainer:
         model.eval()
         try:
             with autocast(self.cfg, self.device):
-                logits = packed_logits(model, batch, self.device, self.share_prompts)
-            lp, _ = token_logprobs(logits, batch)
+                lp, _ = packed_token_logprobs(model, batch, self.device, self.share_prompts)
         finally:
             model.train(was_training)
         return lp.cpu()
@@ -154,9 +167,9 @@ class SingleDeviceTrainer:
     def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
         model = self._require_init()
         model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
+        need_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         with autocast(self.cfg, self.device):
-            logits = packed_logits(model, batch, self.device, self.share_prompts)
-        lp, ent = token_logprobs(logits, batch, need_entropy=bool(getattr(loss_fn, "needs_entropy", False)))
+            lp, ent = packed_token_logprobs(model, batch, self.device, self.share_prompts, need_entropy)
         loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
         loss.backward()
         return stats

@@ -1,0 +1,91 @@
+"""Packed attention as one variable-length call per layer ("inflight_varlen"): torch's own varlen flash kernel
+(`torch.nn.attention.varlen.varlen_attn`, CUDA) over all samples of the packed row at once.
+
+Why: attention.py's packed path runs one SDPA per length bucket per layer (RL micro-batches of mixed lengths make
+several buckets, each a gather into a padded buffer, a kernel and a scatter back). The varlen kernel takes the
+sample boundaries (cu_seq_lens) and runs every sample's causal attention in one launch, no padding, no copies
+beyond the [T, heads, D] layout it wants.
+
+Shared prompts (prefix.py): each sample's row is [its context; its own suffix] over the compact tokens. Its keys
+and queries are gathered row after row (a shared context is read into every row that needs it, as the bucket path
+does), the rows are the varlen call's sequences, and each compact token's output is written back from one row only.
+
+Where the kernel does not run (CPU, or a torch without it) the call falls back to attention.py's path: the
+results are the same attention. `CPU_KERNEL` (None) lets the tests run this module's layout code on CPU with a
+reference kernel of the same signature.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from inflight.trainer.attention import packed_mask, packed_sdpa
+
+NAME = "inflight_varlen"
+CPU_KERNEL = None  # tests: a kernel(q, k, v, cu, max_len, scale) -> out on CPU; None: attention.py's path
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    """The varlen kernel runs on this device (CUDA with torch >= 2.9's varlen_attn), or the tests gave one."""
+    if torch.device(device).type != "cuda":
+        return CPU_KERNEL is not None
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9)
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _kernel(q: torch.Tensor):
+    if q.device.type == "cuda" and available("cuda"):
+        return _cuda_varlen if q.dtype in (torch.float16, torch.bfloat16) else None  # flash: half precision
+    return CPU_KERNEL if q.device.type == "cpu" else None
+
+
+def _cuda_varlen(q, k, v, cu, max_len, scale):
+    from torch.nn.attention.varlen import varlen_attn  # optional: torch >= 2.9
+
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
+                       enable_gqa=q.shape[1] != k.shape[1])
+
+
+def reference_varlen(q, k, v, cu, max_len, scale):
+    """The kernel's semantics written plainly (tests): per sequence [cu[i], cu[i+1]), causal attention of its
+    queries over its keys; q [T, H, D], k / v [T, KV, D] -> [T, H, D]."""
+    bounds = cu.tolist()
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out) if out else q.new_zeros(q.shape)
+
+
+def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                cu_seq_lens_q=None, inflight_layout=None, **kwargs):
+    """transformers attention function: query [1, H, T, D], key / value [1, KV, T, D] -> ([1, T, H, D], None)."""
+    kernel = _kernel(query) if dropout == 0.0 else None
+    if kernel is None or (cu_seq_lens_q is None and inflight_layout is None) or query.shape[0] != 1:
+        return packed_sdpa(module, query, key, value, attention_mask, dropout, scaling,
+                           cu_seq_lens_q=cu_seq_lens_q, inflight_layout=inflight_layout, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
+    if inflight_layout is None:
+        cu = cu_seq_lens_q.to(torch.int32)
+        max_len = kwargs.get("max_length_q")
+        if max_len is None:
+            max_len = int((cu[1:] - cu[:-1]).max())
+        return kernel(q, k, v, cu, int(max_len), scale)[None], None
+    src, cu, max_len, out_src, out_pos = inflight_layout.concat_rows
+    o = kernel(q.index_select(0, src), k.index_select(0, src), v.index_select(0, src), cu, max_len, scale)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2]).index_copy(0, out_src, o.index_select(0, out_pos))
+    return out[None], None
+
+
+AttentionInterface.register(NAME, varlen_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, packed_mask)
