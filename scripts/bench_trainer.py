@@ -94,7 +94,8 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     attn = 6 * shape["layers"] * shape["heads"] * shape["head_dim"] * sum(n * n for n in lens)
     flops = 6 * shape["matmul_parameters"] * tokens + attn
     context = {"backend": cfg.backend, "precision": cfg.precision, "gradient_checkpointing":
-               cfg.gradient_checkpointing, "attention": cfg.attention, "packed_tokens": tokens,
+               cfg.gradient_checkpointing, "checkpointing_on": bool(getattr(engine.model, "is_gradient_checkpointing",
+                                                                            False)), "attention": cfg.attention, "packed_tokens": tokens,
                "samples": len(samples), "sample_lengths": [min(lens), max(lens)], "micro_batches":
                cold.get("micro_batches"), "warm_step_s": warm_s, "cold_step_s": cold_s, "load_s": load_s,
                "ratio_mean": cold.get("ratio_mean")}

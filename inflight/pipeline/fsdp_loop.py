@@ -16,7 +16,7 @@ from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, merge_stats
 from inflight.algo.truncation import trains
 from inflight.pipeline.completions import completion_stats
-from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, adapter_of, version_mix
+from inflight.pipeline.trainer_loop import StopTraining, TrainerLoop, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.packing import count_loss_tokens
