@@ -13,8 +13,9 @@ Stages, in order; the first failure stops the run, names its stage in the JSON (
   vllm       the server stage against `inflight serve --engine vllm` (skipped when vLLM does not import)
 With --gpus 2 (scripts/gpu-smoke-2gpu.sh): models; trainer2 (the trainer probe as FSDP2 world 2, one rank per GPU);
 server_nccl / vllm_nccl (the server stage with the server on GPU 0 and the trainer stand-in on GPU 1: weights over
-NCCL); train_nccl (`inflight train`, server on GPU 0, trainer on GPU 1, NCCL weight group). On CPU all of it runs
-with gloo.
+NCCL); train_nccl (`inflight train`, server on GPU 0, trainer on GPU 1, NCCL weight group); train_fsdp2_nccl
+(`inflight train` with an FSDP2 trainer at world 2 on GPUs 0 and 1, the server on GPU 1: rank 0 pushes over NCCL).
+On CPU all of it runs with gloo.
 Figures go to OUT/smoke.json (written after every stage), server logs under OUT/.
 """
 
@@ -125,17 +126,18 @@ def trainer_stage(a: argparse.Namespace, model: str, out: Path, world: int = 1) 
 
 
 def train_stage(a: argparse.Namespace, model: str, task: str, out: Path, server_gpu: str = "0", trainer_gpus: str = "0",
-                weight_backend: str = "gloo") -> dict[str, Any]:
-    """Six steps of `inflight train` with the documented GPU config, shrunk to one server and one trainer rank
-    (both on GPU 0 by default: then the gloo weight group, since NCCL refuses two ranks on one device)."""
+                weight_backend: str = "gloo", ranks: int = 1) -> dict[str, Any]:
+    """Six steps of `inflight train` with the documented GPU config, shrunk to one server and `ranks` trainer ranks
+    (both on GPU 0 by default: then the gloo weight group, since NCCL refuses two ranks on one device; the weight
+    group holds trainer rank 0 and the server, so with ranks on GPUs 0 and 1 a server on GPU 1 takes NCCL)."""
     from inflight.host import free_port
 
     cuda = a.device.startswith("cuda")
-    run_dir = out / "train"
+    run_dir = out / ("train" if ranks == 1 else f"train-{ranks}ranks")
     args = [f"model.path={model}", f"task.path={task}", "task.eval_path=''", "task.eval_size=8", "name=smoke",
             f"pipeline.run_dir={run_dir}", "pipeline.max_steps=6", "pipeline.checkpoint_every=0",
             "pipeline.progress=false", "pipeline.tensorboard=false", f"pipeline.weight_sync_port={free_port()}",
-            f"server.base_port={free_port()}", "server.num_servers=1", "trainer.num_processes=1", f"trainer.backend={a.train_backend}",
+            f"server.base_port={free_port()}", "server.num_servers=1", f"trainer.num_processes={ranks}", f"trainer.backend={a.train_backend}",
             f"trainer.weight_backend={weight_backend}",
             f"actor.group_size={4}", f"actor.groups_per_step={a.groups_per_step}", "actor.eval_every=0",
             f"actor.max_new_tokens={a.max_new_tokens}", "actor.max_lag=2", "actor.reward_workers=1",
@@ -148,7 +150,7 @@ def train_stage(a: argparse.Namespace, model: str, task: str, out: Path, server_
                  "trainer.gradient_checkpointing=false", "server.max_tokens_per_step=2048", "server.max_batch=64"]
     cmd = [sys.executable, "-m", "inflight.cli", "train", str(ROOT / "configs" / "gpu-qwen2.5-gsm8k.yaml"), *args]
     t0 = time.perf_counter()
-    rc, output = run_launcher(cmd, a.stage_timeout, out / "train.log")
+    rc, output = run_launcher(cmd, a.stage_timeout, run_dir.with_suffix(".log"))
     if rc != 0:
         raise RuntimeError(f"inflight train exited {rc} (logs: {run_dir / 'smoke' / 'logs'}): {output[-2000:]}")
     steps = [r for r in map(json.loads, (run_dir / "smoke" / "metrics.jsonl").read_text().splitlines())
@@ -246,6 +248,8 @@ def main() -> int:
                                                  server_gpu="0" if cuda else "")),
             ("train_nccl", lambda: train_stage(a, ctx["models"]["untied"], ctx["task"], out, server_gpu="0",
                                                trainer_gpus="1", weight_backend=backend)),
+            ("train_fsdp2_nccl", lambda: train_stage(a, ctx["models"]["untied"], ctx["task"], out, server_gpu="1",
+                                                     trainer_gpus="0,1", weight_backend=backend, ranks=2)),
             ("vllm_nccl", lambda: server_stage(a, "vllm", ctx["models"]["untied"], out, dtype, vpy, backend=backend,
                                                trainer_device="cuda:1" if cuda else "cpu",
                                                server_gpu="0" if cuda else "")),
