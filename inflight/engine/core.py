@@ -18,6 +18,9 @@ of the current weights is reused: every update (keep or interrupt) drops what is
 across a `keep` update is not retained. So a request still runs entirely on the weights of the versions its tokens
 carry, exactly as with a full prefill (keep mode's stale KV stays confined to the sequences running at the update).
 
+Prompt logprobs (prompt_scores.py): a request with `prompt_logprobs` gets the logits of every prompt position from
+its prefill chunks (never from a reused prefix), scored as they come; choice 0's first event carries them.
+
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
 carries the version of the weights of the forward that produced it. `generate(..., min_version=v)` holds a request
@@ -51,7 +54,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.contracts import tied_aliases
-from inflight.engine import llama_runner, precision
+from inflight.engine import llama_runner, precision, prompt_scores
 from inflight.engine.device_sampling import CONTINUE, LENGTH, STOP, DeviceSampler
 from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.hf_runner import HFRunner
@@ -426,7 +429,7 @@ class InferenceEngine:
         for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
             pending = len(s.tokens) - s.num_cached
             if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
-                c = min(pending, budget)
+                c = min(pending, budget, prompt_scores.MAX_ROWS if s.scores is not None else budget)
                 if s.num_cached == 0:
                     s.kv_version = self.version
                     if s.scores is not None:
@@ -455,13 +458,7 @@ class InferenceEngine:
             logits = self.runner.forward(StepPlan.build(chunks, want, self.device, score))
         version = self.version
         if any(score):
-            n_sample = sum(want)
-            off = n_sample
-            for s, m in zip(seqs, score):
-                if m:
-                    s.scores.add(logits[off : off + m], version)
-                    off += m
-            logits = logits[:n_sample]
+            logits = prompt_scores.feed(logits, [s.scores for s in seqs], score, sum(want), version)
         self._st["steps"] += 1
         rows, sampled = [], []
         r = 0

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# prompt positions scored per engine step and request: bounds the [rows, vocab] float32 logits a long prompt needs
+# (512 x 152k vocabulary = 300 MB) where a prefill chunk would otherwise be max_tokens_per_step long
+MAX_ROWS = 512
+
 
 @dataclass
 class PromptScores:
@@ -64,3 +68,15 @@ class PromptScores:
         else:
             self.tops += [[] for _ in range(m)]
         self.versions += [version] * m
+
+
+def feed(logits: torch.Tensor, scores: list[PromptScores | None], rows: list[int], n_sample: int,
+         version: int) -> torch.Tensor:
+    """A step's logits: the first n_sample rows are for sampling, then rows[i] rows scoring chunk i's prompt
+    positions (StepPlan.out_rows). Feeds those to scores[i]; returns the sampling rows."""
+    off = n_sample
+    for sc, m in zip(scores, rows):
+        if m and sc is not None:
+            sc.add(logits[off : off + m], version)
+            off += m
+    return logits[:n_sample]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from inflight.engine import prompt_scores
 from inflight.engine.core import SamplingParams
 from tests.engine.test_core import TOL, collect, fresh_engine, gpt2_dir, ids, perturbed, ref_with  # noqa: F401
 
@@ -148,3 +149,17 @@ def test_weight_update_during_a_scored_prefill(tiny_model_dir, ref64, mode):
         ref = ref_prompt(ref_with(tiny_model_dir, w1), prompt)  # positions scored before the update: the old weights
         want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:n1, 0]
         assert (torch.tensor(scores.logprobs[1 : n1 + 1], dtype=torch.float64) - want).abs().max() < TOL
+
+
+def test_scored_prefill_chunks_are_capped(tiny_model_dir, ref64, monkeypatch):
+    """A scored prompt is prefilled at most MAX_ROWS positions per step (its logits are [rows, vocab] float32)."""
+    monkeypatch.setattr(prompt_scores, "MAX_ROWS", 10)
+    eng = fresh_engine(tiny_model_dir, max_tokens_per_step=256, max_model_len=200)
+    try:
+        prompt = ids(45, start=3)
+        steps = eng.stats()["steps"]
+        _, scores = run(eng, "c", prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
+        assert eng.stats()["steps"] - steps == 5  # 10 + 10 + 10 + 10 + 5 positions
+    finally:
+        eng.stop()
+    assert_scores(ref64, prompt, scores, 1)
