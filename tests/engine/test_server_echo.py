@@ -119,7 +119,27 @@ def test_chat_prompt_logprobs_and_a_retained_prefix(server, ref64):
     assert r.status_code == 200
 
 
+def test_prompt_logprobs_are_temperature_1_whatever_the_sampling(server, ref64):
+    """The prompt's entries are raw model logprobs; the generated tokens' follow the sampled distribution."""
+    prompt = [10, 20, 30, 40, 50, 11, 12, 13]
+    r = post(server.url, "/v1/completions", prompt=prompt, echo=True, logprobs=0, max_tokens=6, temperature=0.5,
+             top_k=5, ignore_eos=True, seed=3)
+    ch = r.json()["choices"][0]
+    ids = prompt + ch["token_ids"]
+    with torch.no_grad():
+        logits = ref64(torch.tensor([ids])).logits[0].double()
+    raw = torch.log_softmax(logits, -1)
+    got = ch["logprobs"]["token_logprobs"]
+    assert max(abs(got[t] - raw[t - 1, ids[t]].item()) for t in range(1, len(prompt))) < TOL
+    sampled = torch.log_softmax(logits / 0.5, -1)  # then restricted to the top 5 and renormalised
+    for t in range(len(prompt), len(ids)):
+        top = sampled[t - 1].topk(5).values
+        want = sampled[t - 1, ids[t]].item() - torch.logsumexp(top, 0).item()
+        assert abs(got[t] - want) < TOL
+
+
 def test_prompt_logprobs_after_a_weight_update_report_the_new_version(server, tiny_model_dir, tmp_path):
+    """(Changes the module server's weights: the tests after it do not compare with ref64.)"""
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     new = {n: (p.detach() + 0.3 * torch.randn(p.shape, generator=g)).contiguous() for n, p in hf.named_parameters()}
@@ -152,3 +172,4 @@ def test_bad_combinations_get_400(server, path, body, needle):
     r = post(server.url, path, **body)
     assert r.status_code == 400, (body, r.status_code, r.text)
     assert needle in r.json()["error"]["message"], r.text
+
