@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-fast test-vllm lint install clean redis
+.PHONY: demo demo-real test test-fast test-vllm test-lmeval lmeval-venv lint install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,9 +29,10 @@ demo-real: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
 
-# The whole suite, then the vLLM backend stage (its own test venv; CI runs both through this target). The 25
+# The whole suite (with the lm-eval test venv built first, for tests/evals), then the vLLM backend stage (its own
+# test venv; CI runs both through this target). The 25
 # slowest tests are listed at the end: CI's time budget is tight, they are where to look first.
-test: $(STAMP) redis
+test: $(STAMP) redis lmeval-venv
 	$(BIN)/python -m pytest -q --durations=25 tests
 	$(MAKE) --no-print-directory test-vllm
 
@@ -39,6 +40,14 @@ test: $(STAMP) redis
 test-vllm: $(STAMP)
 	bash scripts/vllm-cpu-env.sh .cache/vllm-venv
 	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
+
+# lm-evaluation-harness against `inflight serve` (tests/evals): lm_eval lives in its own test-only venv, never a
+# dependency of inflight; it reuses .venv's torch and transformers, so building it takes ~1 min.
+lmeval-venv: $(STAMP)
+	bash scripts/lmeval-env.sh .cache/lmeval-venv $(BIN)/python
+
+test-lmeval: lmeval-venv
+	$(BIN)/python -m pytest -q tests/evals
 
 # Static checks (CI runs them before the tests): ruff over inflight/, mypy over [tool.mypy] files in pyproject.toml.
 lint: $(STAMP)

@@ -18,6 +18,9 @@ of the current weights is reused: every update (keep or interrupt) drops what is
 across a `keep` update is not retained. So a request still runs entirely on the weights of the versions its tokens
 carry, exactly as with a full prefill (keep mode's stale KV stays confined to the sequences running at the update).
 
+Prompt logprobs (prompt_scores.py): a request with `prompt_logprobs` gets the logits of every prompt position from
+its prefill chunks (never from a reused prefix), scored as they come; choice 0's first event carries them.
+
 Weight updates: `await run_paused(fn)` runs fn on the engine thread between two steps; inside it,
 `load_weights(tensors, version, mode)` validates everything, then copies all tensors in place. Each TokenEvent
 carries the version of the weights of the forward that produced it. `generate(..., min_version=v)` holds a request
@@ -51,7 +54,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.contracts import tied_aliases
-from inflight.engine import llama_runner, precision
+from inflight.engine import llama_runner, precision, prompt_scores
 from inflight.engine.device_sampling import CONTINUE, LENGTH, STOP, DeviceSampler
 from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.hf_runner import HFRunner
@@ -68,6 +71,8 @@ _FINISH = {CONTINUE: None, STOP: "stop", LENGTH: "length"}
 
 
 class InferenceEngine:
+    scores_prompts = True  # computes prompt logprobs (SamplingParams.prompt_logprobs, prompt_scores.py)
+
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
                  max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
                  generator_precision: str = "float32", prefix_reuse: bool = True, cuda_graphs: str = "auto",
@@ -336,7 +341,8 @@ class InferenceEngine:
         k = 0
         while k < len(order) and self._slots.available() >= order[k].params.n:
             req = order[k]
-            hit = self._slots.take(req.prompt, self.version)  # choice 0 continues a retained sequence
+            # choice 0 continues a retained sequence, unless the prompt is scored: reused positions have no logits
+            hit = self._slots.take(req.prompt, self.version) if req.params.prompt_logprobs is None else None
             if hit is not None:
                 self._st["prefix_reused_tokens_total"] += hit[1]
             first = _Seq(req, 0, *hit) if hit is not None else _Seq(req, 0, self._slots.alloc())
@@ -410,11 +416,12 @@ class InferenceEngine:
     def _step(self) -> None:
         t0 = time.perf_counter()
         budget = self.max_tokens_per_step
-        chunks, want, seqs = [], [], []
+        chunks, want, seqs, score = [], [], [], []
         decodes = [s for s in self._running if s.active and s.num_cached > 0 and len(s.tokens) - s.num_cached == 1]
         for s in sorted(decodes, key=lambda s: s.slot)[:budget]:  # decodes first, one token each, in slot order
             chunks.append((s.slot, s.num_cached, s.tokens[-1:]))
             want.append(True)
+            score.append(0)
             seqs.append(s)
             self._st["prefill_tokens_total"] += s.n_gen == 0  # a reused prefix's last prompt token
         nd = len(seqs)
@@ -422,29 +429,36 @@ class InferenceEngine:
         for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
             pending = len(s.tokens) - s.num_cached
             if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
-                c = min(pending, budget)
+                c = min(pending, budget, prompt_scores.MAX_ROWS if s.scores is not None else budget)
                 if s.num_cached == 0:
                     s.kv_version = self.version
+                    if s.scores is not None:
+                        s.scores.clear()  # a re-prefill (interrupt update) scores with the new weights
                 chunks.append((s.slot, s.num_cached, s.tokens[s.num_cached : s.num_cached + c]))
                 want.append(c == pending)
+                score.append(s.scores.wanted(s.num_cached, c) if s.scores is not None else 0)
                 seqs.append(s)
                 budget -= c
                 self._st["prefill_tokens_total"] += c
         if not chunks:
             return
-        self._forward_and_sample(chunks, want, seqs, nd)
+        self._forward_and_sample(chunks, want, seqs, nd, score)
         if self.step_trace is not None:
             ctx = sum(start + 1 for _, start, _ in chunks[:nd])
             self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
 
-    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq], nd: int) -> None:
-        """nd: the first nd chunks are decodes (one token after a cached prefix, logits wanted)."""
+    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq], nd: int,
+                            score: list[int]) -> None:
+        """nd: the first nd chunks are decodes (one token after a cached prefix, logits wanted); score[i]: rows of
+        chunk i that score prompt tokens (their logits come after the sampling rows)."""
         if self.graphs is not None and nd == len(chunks):
             logits = self.graphs.decode([ids[0] for _, _, ids in chunks], [start for _, start, _ in chunks],
                                         [slot for slot, _, _ in chunks])
         else:  # prefill chunks (or no graphs): the eager forward
-            logits = self.runner.forward(StepPlan.build(chunks, want, self.device))
+            logits = self.runner.forward(StepPlan.build(chunks, want, self.device, score))
         version = self.version
+        if any(score):
+            logits = prompt_scores.feed(logits, [s.scores for s in seqs], score, sum(want), version)
         self._st["steps"] += 1
         rows, sampled = [], []
         r = 0
@@ -463,6 +477,15 @@ class InferenceEngine:
             rows.append(r)
             sampled.append(s)
             r += 1
+        if any(s.req.params.max_tokens == 0 for s in sampled):  # the prompt scored, nothing to generate
+            keep = [i for i, s in enumerate(sampled) if s.req.params.max_tokens > 0]
+            for s in sampled:
+                if s.req.params.max_tokens == 0:
+                    ev = TokenEvent(s.index, -1, 0.0, version, None, "length", s.scores)
+                    s.scores = None
+                    self._release(s, "length", ev)
+            self._running = [s for s in self._running if not s.done]
+            rows, sampled = [rows[i] for i in keep], [sampled[i] for i in keep]
         if not sampled:
             return
         if len(rows) != r:
@@ -504,6 +527,8 @@ class InferenceEngine:
             elif s.n_gen >= p.max_tokens or len(s.tokens) >= self.max_model_len:
                 reason = "length"
             ev = TokenEvent(s.index, tok, lp, version, tl, reason)
+            if s.scores is not None:  # choice 0's first token: its prompt is scored by now
+                ev.prompt, s.scores = s.scores, None
             if reason is None:
                 self._emit(s.req, ev)
             else:

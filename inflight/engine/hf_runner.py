@@ -51,7 +51,8 @@ class HFRunner:
             ids = plan.tokens[off:end][None]
             pos = plan.positions[off:end][None]
             out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_kw: self.caches[slot]})
-            if end - 1 in want:
-                rows[end - 1] = out.logits[0, -1].float()
+            for r in range(off, end):  # the chunk's last row to sample; earlier ones when a prompt is scored
+                if r in want:
+                    rows[r] = out.logits[0, r - off].float()
             off = end
         return torch.stack([rows[r] for r in plan.out_rows.tolist()]) if rows else torch.empty(0)

@@ -3,13 +3,15 @@
 Requests are pydantic models: unknown fields are ignored (OpenAI clients send many), but every field we read is
 validated, and fields we cannot honour (penalties, logit_bias, echo, tools) are rejected when set to a non-default
 value, so a client never silently gets something other than what it asked for.
+Prompt logprobs (`echo` + `logprobs`, vLLM's `prompt_logprobs`) come from the engine's PromptScores
+(prompt_scores.py); `prompt_fields` lays them out in the response.
 Responses are plain dicts (1,000 concurrent requests: no need for a second validation pass on the way out).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -63,6 +65,8 @@ class _Sampling(_Lenient):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "extension, as vLLM's: the logprob, rank and top alternatives of every prompt token (temperature 1)"))
 
     @field_validator("stop")
     @classmethod
@@ -80,7 +84,14 @@ class _Sampling(_Lenient):
             raise ValueError("presence_penalty / frequency_penalty are not supported (must be 0)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with stream=true (send a non-streaming request)")
         return self
+
+    @property
+    def prompt_score_k(self) -> int | None:
+        """Alternatives per prompt position the engine must compute, or None when the prompt is not scored."""
+        return self.prompt_logprobs
 
     @property
     def stops(self) -> list[str]:
@@ -95,11 +106,15 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = Field(default=True, description="extension")
     tools: list[Any] | None = None
+    echo: bool = False
 
     @model_validator(mode="after")
     def _chat_checks(self):
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.echo:
+            raise ValueError("echo is not supported by chat completions: send the prompt to /v1/completions with "
+                             "echo=true, or ask for prompt_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
@@ -115,7 +130,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0: score the prompt only (echo / prompt_logprobs)")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -123,8 +138,11 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_checks(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream=true (send a non-streaming request)")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens=0 generates nothing: it is only for scoring the prompt (echo=true with "
+                             "logprobs, or prompt_logprobs)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1) and self.best_of != self.n:
@@ -148,6 +166,14 @@ class CompletionRequest(_Sampling):
     @property
     def num_top_logprobs(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def prompt_score_k(self) -> int | None:
+        echoed = self.logprobs if self.echo else None  # echo with logprobs: k alternatives per prompt token too
+        wanted = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        if self.echo and self.max_tokens == 0:
+            wanted.append(0)  # nothing generated: the engine still prefills the prompt once (its version)
+        return max(wanted) if wanted else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -193,3 +219,34 @@ def envelope(kind: Literal["chat", "text"], rid: str, model: str, choices: list[
     if use is not None or not chunk:
         body["usage"] = use
     return body
+
+
+def prompt_fields(body: dict[str, Any], scores: Any, prompt_ids: list[int], echo_text: str | None,
+                  req: CompletionRequest | ChatCompletionRequest, tok_str: Callable[[int], str]) -> None:
+    """Adds the prompt's part to a finished choice's body: with `echo` (completions) the prompt's text before the
+    completion and, with logprobs, one legacy entry per prompt token (the first None) before the generated ones;
+    with `prompt_logprobs`, vLLM's per-token dicts; and `prompt_token_versions`, the weight version of the forward
+    that scored each prompt token (the first None), as `token_versions` does for generated tokens."""
+    if echo_text is not None:
+        body["text"] = echo_text + body["text"]
+    if scores is None:
+        return
+    body["prompt_token_versions"] = scores.versions
+    if echo_text is not None and body.get("logprobs") is not None:
+        k, gen = req.num_top_logprobs, body["logprobs"]
+        toks = [tok_str(t) for t in prompt_ids]
+        tops = [None] + [{tok_str(t): v for t, v in row[:k]} for row in scores.tops[1:]] if k else None
+        lp = completion_logprobs(toks + gen["tokens"], scores.logprobs + gen["token_logprobs"], None)
+        if tops is not None:
+            lp["top_logprobs"] = tops + (gen["top_logprobs"] or [])
+        body["logprobs"] = lp
+    if req.prompt_logprobs is not None:
+        k, rows = req.prompt_logprobs, [None]
+        for pos in range(1, len(prompt_ids)):
+            tid = prompt_ids[pos]
+            row = {str(tid): {"logprob": scores.logprobs[pos], "rank": scores.ranks[pos],
+                              "decoded_token": tok_str(tid)}}
+            for rank, (t, v) in enumerate(scores.tops[pos][:k], start=1):
+                row.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": tok_str(t)})
+            rows.append(row)
+        body["prompt_logprobs"] = rows

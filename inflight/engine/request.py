@@ -30,6 +30,7 @@ class Generation:
         self.gate = {"min_version": min_version, "version_wait_s": version_wait_s} if min_version else {}
         self.rid = uuid.uuid4().hex
         self.choices = [Choice(i) for i in range(n)]
+        self.prompt_scores: Any = None  # prompt_scores.PromptScores, when the request scores its prompt
         self.incremental = bool(stops) or want_text  # decode after every token (stops / streaming)
         self.hold = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
 
@@ -42,6 +43,8 @@ class Generation:
             async for ev in self.engine.generate(self.rid, self.prompt_ids, self.params, stream=self.incremental,
                                                  **self.gate):
                 ch = self.choices[ev.index]
+                if ev.prompt is not None:
+                    self.prompt_scores = ev.prompt
                 if ev.finish_reason is not None:
                     engine_live.discard(ev.index)
                 if ch.finish_reason is not None:

@@ -34,13 +34,16 @@ class SamplingParams:
     top_logprobs: int = 0
     ignore_eos: bool = False
     priority: int = 0  # admission order among waiting requests: lower first, then arrival
+    prompt_logprobs: int | None = None  # score the prompt (prompt_scores.py) with this many alternatives
 
     def check(self, max_n: int) -> None:
         """Raises ValueError naming the first bad field."""
         if not 1 <= self.n <= max_n:
             raise ValueError(f"n must be in [1, {max_n}], got {self.n}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_tokens must be >= 1 (0 only to score the prompt), got {self.max_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

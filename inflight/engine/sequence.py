@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.engine.prompt_scores import PromptScores
 from inflight.engine.sampling import SamplingParams
 
 
@@ -21,6 +22,7 @@ class TokenEvent:
     version: int
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: str | None  # "stop" | "length" | "abort" on the last event of the choice
+    prompt: PromptScores | None = None  # on choice 0's first event, when the request scores its prompt
 
 
 class Request:
@@ -36,7 +38,7 @@ class Request:
 
 class Seq:
     __slots__ = ("req", "index", "slot", "tokens", "num_cached", "kv_version", "n_gen", "gen", "active",
-                 "split_pending", "done")
+                 "split_pending", "done", "scores")
 
     def __init__(self, req: Request, index: int, slot: int, num_cached: int = 0, kv_version: int | None = None):
         self.req, self.index, self.slot = req, index, slot
@@ -49,3 +51,5 @@ class Seq:
         self.active = index == 0  # choices > 0 start when choice 0 has prefilled the shared prompt
         self.split_pending = index == 0 and req.params.n > 1
         self.done = False
+        k = req.params.prompt_logprobs  # choice 0 prefills the prompt, so it scores it
+        self.scores = PromptScores(req.prompt, k) if k is not None and index == 0 else None

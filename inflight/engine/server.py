@@ -176,11 +176,13 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"stop_token_ids out of vocabulary: {bad[:5]}", "stop_token_ids")
+        if req.prompt_score_k is not None and not getattr(engine, "scores_prompts", False):
+            raise BadRequest("this engine does not compute prompt logprobs (echo, prompt_logprobs)", "echo")
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_new,
             stop_token_ids=list(req.stop_token_ids), seed=req.seed, n=req.n,
             top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,  # type: ignore[attr-defined]
-            priority=req.priority,
+            priority=req.priority, prompt_logprobs=req.prompt_score_k,
         )
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
@@ -244,7 +246,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    async def run_full(kind: str, request: Request, gen: Generation, model: str, top_n: int, want_lp: bool):
+    async def run_full(kind: str, request: Request, gen: Generation, model: str, top_n: int, want_lp: bool,
+                       req: Any = None):
         """Non-streaming: generate every choice; cancel when the client goes away."""
 
         async def consume() -> None:
@@ -270,6 +273,12 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             return JSONResponse({}, 499)
         work.result()
         body = [choice_body(kind, ch, gen.prompt_ids, top_n, want_lp) for ch in gen.choices]
+        echo = getattr(req, "echo", False) and kind == "text"
+        if echo or gen.prompt_scores is not None:
+            text = req.single_prompt() if echo else None
+            text = engine.tokenizer.decode(text) if isinstance(text, list) else text
+            for b in body:
+                oa.prompt_fields(b, gen.prompt_scores, gen.prompt_ids, text, req, tok_str)
         use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
         return _FastJSON(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
 
@@ -326,7 +335,7 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
                 inc = bool(req.stream_options and req.stream_options.include_usage)
                 stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
                 return _Releasing(stream, release)
-            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp)
+            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp, req)
         finally:
             if not req.stream:
                 release()
