@@ -23,7 +23,8 @@ def episode(model_dir, seed: int, prompt: int, completion: int) -> SimpleNamespa
     mask = [0 if completion // 3 <= j < completion // 2 else 1 for j in range(completion)]
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
-    logprobs = [lp[prompt + j - 1, t].item() if m else 0.0 for j, (t, m) in enumerate(zip(ids[prompt:], mask, strict=True))]
+    completion = zip(ids[prompt:], mask, strict=True)
+    logprobs = [lp[prompt + j - 1, t].item() if m else 0.0 for j, (t, m) in enumerate(completion)]
     return SimpleNamespace(prompt_ids=ids[:prompt], completion_ids=ids[prompt:], loss_mask=mask, logprobs=logprobs)
 
 
