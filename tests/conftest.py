@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.signals import kept_signal_handlers
+
 # Tests share 2 cores with servers they start; one thread each keeps timings sane.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -75,3 +77,10 @@ def smollm2_dir() -> Path:
                          REPO / ".cache" / "downloads")
     except ModelFetchError as e:
         pytest.fail(f"could not fetch SmolLM2-135M-Instruct: {e}", pytrace=False)
+
+
+@pytest.fixture()
+def keep_signal_handlers():
+    """For tests that build verifiers environments directly: the handlers the library installs go with the test."""
+    with kept_signal_handlers():
+        yield

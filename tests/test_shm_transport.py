@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import time
 
 import httpx
@@ -14,7 +15,7 @@ import torch
 
 from inflight.contracts import ParamInfo, shm_layout
 from inflight.engine.weight_receiver import WeightUpdateError, check_finite
-from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest
+from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest, progress_is_ordered
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
 
@@ -140,12 +141,70 @@ def test_bad_segments_are_refused_and_change_nothing(servers, hf, shm, tmp_path)
     check_matches(hf, good, chat(url, temperature=1.0), 1.0)
 
 
+def mapped_kb(pid: int, path: str) -> tuple[int, int] | None:
+    """(Rss, Referenced) in kB of process `pid`'s mappings of file `path`, None while it maps none. Referenced counts
+    the pages the process touched since its accessed bits were last cleared (clear_refs): what it has read."""
+    found, inside = None, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                inside = line.rstrip("\n").endswith(" " + path)
+                found = (found or (0, 0)) if inside else found
+            elif inside and line.startswith(("Rss:", "Referenced:")):
+                kb = int(line.split()[1])
+                found = (found[0] + kb, found[1]) if line.startswith("Rss") else (found[0], found[1] + kb)
+    return found
+
+
+def until(cond, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def held_halfway(shm: WeightSyncClient, servers) -> dict:
+    """Instead of timing the push, hold its writer: wait until every server maps the new segment (asked before a
+    byte is written), clear the servers' accessed bits, write the first half of the tensors, and wait until every
+    server has read data pages of the segment (beyond its header) before writing the rest. Records what it saw."""
+    seen: dict = {}
+    real = shm._shm.write_tensors
+
+    def write(tensors, dtypes, offsets):
+        path, half, pids = shm._shm.path, len(tensors) // 2, [s.proc.pid for s in servers]
+        seen["mapped_before_writing"] = until(lambda: all(mapped_kb(p, path) for p in pids))
+        for p in pids:
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("1")  # the servers' mapping stays; what they read from now on is counted again
+        real(tensors[:half], dtypes[:half], offsets[:half])
+        header_kb, half_kb = SHM_HEADER_BYTES // 1024, -(-offsets[half] // 4096) * 4
+        seen["read_while_held"] = until(lambda: all(mapped_kb(p, path)[1] > header_kb for p in pids))
+        seen["read_kb"], seen["bound_kb"] = [mapped_kb(p, path)[1] for p in pids], header_kb + half_kb
+        seen["versions_while_held"] = [httpx.get(s.url + "/health", timeout=10).json()["version"] for s in servers]
+        real(tensors[half:], dtypes[half:], offsets[half:])
+
+    shm._shm.write_tensors = write
+    return seen
+
+
 def test_an_overlapped_push_is_exact_and_a_poisoned_last_tensor_changes_nothing(servers, hf, shm):
-    """The servers are asked before the segment is written and copy it as it is written (x86-64): the weights
-    they serve are the pushed ones. A NaN in the last tensor, written after the servers copied everything before
-    it, still rejects the whole update on both, and nothing changes."""
+    """The servers are asked before the segment is written and copy it as it is written (x86-64): held halfway,
+    the writer sees both servers read the written half (and nothing beyond it), with nothing applied yet; the
+    weights they serve are the pushed ones. A NaN in the last tensor, written after the servers copied everything
+    before it, still rejects the whole update on both, and nothing changes."""
     new = perturbed(hf, seed=40)
-    stats = shm.push(new.items(), version=40)
+    before = [httpx.get(s.url + "/health", timeout=10).json()["version"] for s in servers]
+    seen = held_halfway(shm, servers) if progress_is_ordered() else None
+    try:
+        stats = shm.push(new.items(), version=40)
+    finally:
+        shm._shm.__dict__.pop("write_tensors", None)
+    if seen is not None:
+        assert seen["mapped_before_writing"] and seen["read_while_held"], seen
+        assert all(kb <= seen["bound_kb"] for kb in seen["read_kb"]), seen  # only what was written
+        assert seen["versions_while_held"] == before != [40, 40]
     assert stats["write_s"] > 0
     for s in servers:
         check_matches(hf, new, chat(s.url, temperature=1.0), 1.0)

@@ -117,7 +117,9 @@ def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointS
 
 
 def prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    # by recorded step, not name: past step 999999 the names outgrow their zero padding and sort wrongly
+    steps = sorted((read_state(p).step, p) for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    steps = [p for _, p in steps]
     for p in steps[: max(0, len(steps) - max(1, keep))]:
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".tmp-*"):  # left by a crash while writing

@@ -24,7 +24,7 @@ from inflight.contracts import StepResult, TaskSample
 from inflight.streams import MemoryStream
 from inflight.tasks import TaskConfig
 from inflight.trainer.packing import collate, count_loss_tokens
-from tests.actor.helpers import Recording, assert_model_logprobs_float64, set_version
+from tests.actor.helpers import LOGPROB_TOL, Recording, assert_model_logprobs_float64, float64_logprobs, set_version
 
 pytestmark = pytest.mark.slow  # starts an inference server
 
@@ -130,6 +130,10 @@ def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir
     assert reused == len(c2.prompt_ids) - 1 - len(d1) + len(c3.prompt_ids) - 1 - len(d2)
     # every model token's behaviour logprob is the float64 model's, in the context of the whole episode
     assert_model_logprobs_float64(tiny_model_dir, s)
+    # ... and the check would catch an engine whose completion positions were one off
+    got = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]
+    off = float64_logprobs(tiny_model_dir, s, position_shift=1)
+    assert max(abs(a - b) for a, b in zip(got, off, strict=True)) > LOGPROB_TOL
     # the trainer's batch trains exactly the sampled tokens with their logprobs; env tokens are context only
     b = collate([s], [1.0], 1, count_loss_tokens([s]))
     trained = b.loss_mask > 0

@@ -26,7 +26,8 @@ from tests.pipeline.test_end_to_end import run_train
 from tests.reliability.pipeline_helpers import free_base_port, free_port, records
 from tests.servers import serve_model
 
-pytestmark = pytest.mark.slow  # starts an inference server
+# starts an inference server; a test's verifiers environments leave this process's signal handlers as they were
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_signal_handlers")]
 
 ENVS = str(Path(__file__).resolve().parents[1] / "tasks" / "vf_envs" / "tiny_envs.py")
 

@@ -16,7 +16,7 @@ from inflight.engine.core import InferenceEngine
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
 from inflight.shm_weights import ShmWriter
 from tests.engine.test_precision import BOUND, _errors, _generate, _new_weights, sharp_model_dir  # noqa: F401
-from tests.engine.test_staged_updates import _begin, _write_slowly, model_equals, perturbed, shm_push
+from tests.engine.test_staged_updates import Overlap, _begin, model_equals, perturbed, shm_push
 from tests.test_lora_push import Q0
 
 torch.set_num_threads(1)
@@ -119,15 +119,17 @@ def test_a_block_whose_members_are_not_back_to_back_is_copied(engine):
     assert receiver.last_update["lent"] == len(lent) - 1
 
 
-def test_a_lent_update_followed_while_written_is_exact(engine):
-    """The server checks each part of a lent segment as the trainer writes it (a slow trainer), and computes from
-    it once complete. The segment is new, so the bytes ahead of the trainer are zeros until written."""
+def test_a_lent_update_followed_while_written_is_exact(engine, monkeypatch):
+    """The server checks each part of a lent segment as the trainer writes it, and computes from it once complete.
+    The segment is new, so the bytes ahead of the trainer are zeros until written."""
     eng, receiver, writer = engine
+    overlap = Overlap(monkeypatch)
     w1 = perturbed(eng, seed=10)
     req, offsets = _begin(writer, w1, 1)
-    th = _write_slowly(writer, w1, offsets, len(w1), writer.finish)
+    th = overlap.write(writer, w1, offsets)
     asyncio.run(receiver.update(req))
     th.join()
+    overlap.check()
     assert eng.version == 1 and model_equals(eng, w1) and receiver.last_update["lent"] == len(eng.runner.members)
 
 

@@ -132,24 +132,69 @@ def _write_slowly(writer: ShmWriter, weights: dict[str, torch.Tensor], offsets: 
     return th
 
 
+class Overlap:
+    """Both sides of a segment followed while written, without timing: the trainer writes the first half of the
+    tensors and is held there until the server has taken two parts of the segment (SegmentWatch.ready returned
+    while the state was WRITING: the first part was read before the second was asked for), then writes the rest
+    and finishes. `reads`: (end of the part, bytes written, state) as each ready() returned."""
+
+    HOLD_S = 60  # only for a server that never reads ahead of completion: the test then fails
+
+    def __init__(self, monkeypatch):
+        self.reads: list[tuple[int, int, int]] = []
+        self.taken = threading.Event()
+        self.held_until_read: bool | None = None
+        self.half_bytes = 0
+        real = SegmentWatch.ready
+
+        def ready(watch: SegmentWatch, view: torch.Tensor) -> None:
+            real(watch, view)
+            end = view.data_ptr() - watch._data_addr + view.numel() * view.element_size()
+            self.reads.append((end, watch._written.value, watch._state.value))
+            if sum(1 for r in self.reads if r[2] == WRITING) >= 2:
+                self.taken.set()
+
+        monkeypatch.setattr(SegmentWatch, "ready", ready)
+
+    def write(self, writer: ShmWriter, weights: dict[str, torch.Tensor], offsets: list[int]) -> threading.Thread:
+        items, half = list(weights.items()), len(weights) // 2
+        self.half_bytes = offsets[half]
+
+        def run():
+            writer.write_tensors(items[:half], ["float32"] * half, offsets[:half])
+            self.held_until_read = self.taken.wait(self.HOLD_S)
+            writer.write_tensors(items[half:], ["float32"] * (len(items) - half), offsets[half:])
+            writer.finish()
+
+        th = threading.Thread(target=run)
+        th.start()
+        return th
+
+    def check(self) -> None:
+        """The server read parts of the segment while the trainer was held halfway, and only what was written."""
+        assert self.held_until_read is True, f"the server read nothing of the segment before it was complete: " \
+                                             f"{self.reads[:4]}"
+        first = self.reads[:2]
+        assert all(state == WRITING and end <= written <= self.half_bytes for end, written, state in first), first
+        assert all(end <= written for end, written, state in self.reads if state == WRITING)
+
+
 def test_an_overlapped_update_is_exact(engine, monkeypatch):
-    """The server copies each tensor as soon as the trainer has written it: with a slow trainer it follows the
-    segment while its state is WRITING. The segment is reused, so the bytes ahead of the trainer still hold the
-    previous version: a server that read ahead would serve some of them."""
+    """The server copies each tensor as soon as the trainer has written it: it follows the segment while its state
+    is WRITING. The segment is reused, so the bytes ahead of the trainer still hold the previous version: a server
+    that read ahead would serve some of them."""
     eng, receiver, writer = engine
     w1 = perturbed(eng, seed=11)
     shm_push(receiver, writer, w1, version=1)
-    waits, real = [], SegmentWatch._wait
-    monkeypatch.setattr(SegmentWatch, "_wait", lambda self, end, complete=False: (
-        waits.append((self._state.value, complete)), real(self, end, complete))[1])
+    overlap = Overlap(monkeypatch)
     w2 = perturbed(eng, seed=12)
     req, offsets = _begin(writer, w2, 2)
-    th = _write_slowly(writer, w2, offsets, len(w2), writer.finish)
+    th = overlap.write(writer, w2, offsets)
     asyncio.run(receiver.update(req))
     th.join()
+    overlap.check()
     assert eng.version == 2 and model_equals(eng, w2)
     assert receiver.last_update["staged"] == len(eng.runner.members)
-    assert sum(1 for state, complete in waits if state == WRITING and not complete) > 3  # it followed the trainer
 
 
 @pytest.mark.parametrize("how", ["stops", "abandons"])

@@ -121,6 +121,41 @@ def test_atomic_write_and_pruning(tiny_model_dir, tmp_path, monkeypatch):
     assert ckpt.latest_checkpoint(tmp_path).name == "final"
 
 
+def fake_checkpoint(root: Path, name: str, step: int | None) -> None:
+    """A folder as a save leaves it, weights left out (choosing one reads state.json only); `step=None`: a folder
+    without state.json, as a crash mid-write leaves one."""
+    (root / name).mkdir(parents=True)
+    (root / name / "config.json").write_text("{}")
+    if step is not None:
+        (root / name / ckpt.STATE_JSON).write_text(json.dumps(ckpt.asdict(state(step))))
+
+
+def test_the_newest_of_many_checkpoints_is_the_one_resumed(tmp_path):
+    """Steps past 999999 outgrow the zero padding, so their names sort before lower steps' as strings: the newest
+    is chosen by the step state.json records. Half-written and hidden folders never count, whatever their step."""
+    root = tmp_path / "checkpoints"
+    for s in (2, 9, 10, 999_998, 999_999, 1_000_000):
+        fake_checkpoint(root, f"step_{s:06d}", s)
+    fake_checkpoint(root, "final", 500)  # a "final" of an earlier, shorter run
+    fake_checkpoint(root, "step_1000001", None)  # SIGKILL mid-write
+    fake_checkpoint(root, ".tmp-step_1000002-0123abcd", 1_000_002)  # a save in progress
+    fake_checkpoint(root, ".old-final-4567ef01", 1_000_003)  # a replaced final being removed
+    names = sorted(p.name for p in root.iterdir())
+    assert max(n for n in names if n.startswith("step_")) == "step_999999"  # what a name sort would pick
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_1000000"
+    assert ckpt.read_state(root / "step_1000000").step == 1_000_000
+
+    fake_checkpoint(root, "step_1000004", 1_000_004)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_1000004"
+    ckpt.prune(root, keep=2)  # the two newest steps stay, "final" is never pruned, the save in progress goes
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".old-final-4567ef01", "final", "step_1000000", "step_1000001", "step_1000004"]
+    (root / "final" / ckpt.STATE_JSON).write_text(json.dumps(ckpt.asdict(state(1_000_004))))
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_1000004"  # same step: the step folder
+    (root / "final" / ckpt.STATE_JSON).write_text(json.dumps(ckpt.asdict(state(1_000_005))))
+    assert ckpt.latest_checkpoint(tmp_path).name == "final"
+
+
 def test_resume_refuses_a_different_prompt_layout():
     from inflight.config import RunConfig
 

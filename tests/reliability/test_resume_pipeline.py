@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -20,11 +21,18 @@ STEPS, GPS, G, MAX_LAG = 30, 2, 4, 1  # steps take 0.05-0.5 s: room for the kill
 
 
 def newest_checkpoint(run) -> int:
-    """The step a resume starts from: the newest complete checkpoint on disk. Not the newest "checkpoint" record: a
-    kill can land between a checkpoint's save and its record (seen in CI: saved at step 8, recorded up to 6)."""
-    from inflight.pipeline.checkpoint import latest_checkpoint, read_state
-
-    return read_state(latest_checkpoint(run)).step
+    """The step a resume must start from, read off the disk here rather than asked of latest_checkpoint() (which
+    the resume itself uses): the highest step_N folder a save completed (state.json written: hidden .tmp-* / .old-*
+    folders and half-written ones without it do not count). Not the newest "checkpoint" record: a kill can land
+    between a checkpoint's save and its record (seen in CI: saved at step 8, recorded up to 6)."""
+    steps = []
+    for p in (run / "checkpoints").iterdir():
+        m = re.fullmatch(r"step_(\d+)", p.name)
+        if m and (p / "state.json").is_file() and (p / "state.json").stat().st_size:
+            assert json.loads((p / "state.json").read_text())["step"] == int(m[1]), p
+            steps.append(int(m[1]))
+    assert steps, f"no complete checkpoint in {run / 'checkpoints'}"
+    return max(steps)
 
 
 def test_sigkill_trainer_then_pipeline_and_resume(tiny_model_dir, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from datasets import Dataset
 from inflight.tasks import TaskConfig, get_task
 from inflight.tasks.tool_calls import parse_tool_calls
 from inflight.tasks.verifiers_env import VerifiersError, VerifiersTask
+from tests.signals import handlers, kept_signal_handlers
+
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")  # some tests build environments directly
 
 ENVS = str(Path(__file__).parent / "vf_envs" / "tiny_envs.py")
 
@@ -166,7 +170,39 @@ def test_hanging_tool_holds_its_episode_only():
     assert took < 1.5 and ticks > 20
 
 
+def _mine(signum, frame) -> None:  # a handler of this process's own
+    raise AssertionError("never called")
+
+
 def test_loading_keeps_the_process_signal_handlers():
-    mine = signal.getsignal(signal.SIGTERM)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _mine)  # undone by keep_signal_handlers
+    mine = handlers()
     task("single")
-    assert signal.getsignal(signal.SIGTERM) is mine
+    assert handlers() == mine == {signal.SIGINT: _mine, signal.SIGTERM: _mine}
+    # loaded off the main thread (where signal.signal raises): no error, nothing changed, signal.signal restored
+    real, errors = signal.signal, []
+    th = threading.Thread(target=lambda: errors.extend(_load_or_error("retry")))
+    th.start()
+    th.join()
+    assert errors == [] and handlers() == mine and signal.signal is real
+
+
+def _load_or_error(kind: str) -> list[BaseException]:
+    try:
+        task(kind)
+    except BaseException as e:  # noqa: BLE001 - reported to the main thread
+        return [e]
+    return []
+
+
+def test_an_environment_built_directly_replaces_the_handlers_until_restored():
+    """What keep_signal_handlers guards against: building a verifiers environment (not through the loader)
+    installs the library's handlers in this process; kept_signal_handlers puts the previous ones back."""
+    before = handlers()
+    with kept_signal_handlers():
+        vf.SingleTurnEnv(dataset=Dataset.from_list([{"question": "q", "answer": "a"}] * 2),
+                         rubric=vf.Rubric(funcs=[]))
+        inside = handlers()
+        assert all(inside[s] is not before[s] for s in inside), inside  # the library's own, for both
+    assert handlers() == before
