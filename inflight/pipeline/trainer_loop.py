@@ -43,7 +43,7 @@ from inflight.algo.truncation import trains
 from inflight.contracts import Group, Sample
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
 from inflight.pipeline.completions import TruncationAlarm, completion_stats
-from inflight.pipeline.config import startup_timeout
+from inflight.pipeline.launch_common import startup_timeout
 from inflight.pipeline.ordering import StartOrder
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 
