@@ -21,8 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-from inflight.trainer.protocols.common import ProtocolClient, TorchGroup
-from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError
+from inflight.trainer.protocols.common import DTYPE_NAMES, ProtocolClient, TorchGroup, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.sglang")
 

@@ -28,8 +28,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from inflight.trainer.protocols.common import Broadcaster, ProtocolClient
-from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError
+from inflight.trainer.protocols.common import DTYPE_NAMES, Broadcaster, ProtocolClient, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.vllm")
 ADAPTER_PER_VERSION = True  # with trainer.lora, version v > 0 is served under its own adapter name (vllm_lora.py)
