@@ -80,6 +80,7 @@ class WeightSyncClient(ProtocolClient):
         super().__init__(server_urls, api_key=api_key, master_address=master_address, master_port=master_port,
                          backend=backend, timeout_s=timeout_s, dtype=dtype, device=device)
         self.transport = transport
+        self.group: Any = None  # a torch ProcessGroup (gloo or NCCL) of our own, not a Broadcaster
         self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
