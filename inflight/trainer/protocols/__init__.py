@@ -1,8 +1,8 @@
 """Weight-update clients, one per server protocol (`trainer.protocol`), all with WeightSyncClient's surface:
 `init_process_group()`, `push(named_tensors, version, mode="keep") -> stats`, `close()`, `world_size`.
 
-    inflight  inflight's contract (docs/inference-contract.md): WeightSyncClient, inflight/trainer/weight_sync.py
-              (transports: process_group over gloo or NCCL, shm, file)
+    inflight  inflight's contract (docs/inference-contract.md): WeightSyncClient (inflight.py; transports:
+              process_group over gloo or NCCL, shm, file)
     vllm      a stock vLLM server's native weight-transfer API (vllm.py); with trainer.lora, vLLM's own runtime
               LoRA loading, one adapter name per version (vllm_lora.py)
     sglang    a stock SGLang server's distributed weight update API (sglang.py)
