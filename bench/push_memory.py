@@ -69,7 +69,7 @@ def rank_main(model: str, url: str, bucket_mb: float, out: str) -> None:
     from inflight.pipeline.metrics import MetricsLogger
     from inflight.trainer.config import TrainerConfig
     from inflight.trainer.fsdp import FSDP2Trainer
-    from inflight.trainer.weight_sync import WeightSyncClient
+    from inflight.trainer.protocols.inflight import WeightSyncClient
 
     t = FSDP2Trainer(model, TrainerConfig(backend="fsdp2", threads=1))
     t.init()

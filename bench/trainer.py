@@ -36,8 +36,8 @@ from inflight.trainer.single import SingleDeviceTrainer  # noqa: E402
 
 
 def build_model(out: Path, hidden: int, layers: int, vocab: int = 512) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -108,7 +108,7 @@ def run(trainer: SingleDeviceTrainer, samples: list[Sample], budget: int, rounds
 def broadcast(trainer: SingleDeviceTrainer, model_dir: str, pushes: int) -> None:
     """Wall seconds per push (announce + transfer + every server's answer) vs one memory copy of the same bytes."""
     from inflight.engine.serve import ServerProcess
-    from inflight.trainer.weight_sync import WeightSyncClient
+    from inflight.trainer.protocols.inflight import WeightSyncClient
 
     weights = [(n, t.detach().clone()) for n, t in trainer.named_weights()]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)

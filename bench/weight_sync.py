@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer import build_model  # noqa: E402
-from inflight.trainer.weight_sync import WeightSyncClient  # noqa: E402
+from inflight.trainer.protocols.inflight import WeightSyncClient  # noqa: E402
 
 
 class VersionWatcher:

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from inflight import backends
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("inflight.modelkit.cli", "train a tokenizer for a task and build a small causal LM from a config"),
     "get-model": ("inflight.modelkit.fetch", "a pretrained model (e.g. smollm2-135m-instruct) or a GGUF file as a plain HF folder"),
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"inflight {name}", description=desc)
     module.add_arguments(parser)
     args, extra = parser.parse_known_args(rest)
-    if extra and not (name == "serve" and getattr(args, "engine", "builtin") != "builtin"):
+    if extra and not (name == "serve" and backends.get(args.engine).launcher is not None):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only a foreign engine takes unknown options
     args.raw_argv = rest
     from inflight.heap import retain_freed_memory

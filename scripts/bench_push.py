@@ -21,7 +21,7 @@ from smoke_trainer import behaviour_logprobs, packed_samples, train_step
 
 
 def transports(a: Any) -> list[str]:
-    from inflight.trainer.weight_sync import TRANSPORTS
+    from inflight.trainer.protocols.inflight import TRANSPORTS
 
     if a.push_transports:
         return a.push_transports.split(",")

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
 # Bottom to top. `config` is the root RunConfig (inflight/config.py); every role's own config.py holds plain
 # dataclasses and sits on the bottom floor too, so every role may read any role's settings.
 FLOORS: list[tuple[str, ...]] = [
-    ("contracts", "heap", "host", "native", "finite", "shm_weights", "config"),
+    ("contracts", "backends", "heap", "host", "native", "finite", "shm_weights", "config"),
     ("tasks", "algo", "streams"),
     ("modelkit",),
     ("engine", "trainer", "rewards"),

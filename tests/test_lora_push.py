@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
-from inflight.trainer.weight_sync import WeightSyncClient
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
 from tests.servers import generation_across_update, model_of, serve_model
 

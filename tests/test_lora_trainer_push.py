@@ -11,10 +11,11 @@ import torch
 from inflight.contracts import Sample
 from inflight.trainer.config import LoraConfig, TrainerConfig
 from inflight.trainer.packing import pack_samples
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.single import SingleDeviceTrainer
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
-from tests.trainer.helpers import ReinforceLoss, random_samples
 from tests.servers import serve_model
+from tests.trainer.helpers import ReinforceLoss, random_samples
 
 torch.set_num_threads(1)
 MSG = [{"role": "user", "content": "3+4="}]

@@ -16,7 +16,8 @@ import torch
 from inflight.contracts import ParamInfo, shm_layout
 from inflight.engine.weight_receiver import WeightUpdateError, check_finite
 from inflight.shm_weights import SHM_HEADER_BYTES, ShmError, ShmWriter, announcement_digest, progress_is_ordered
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
 
 torch.set_num_threads(1)

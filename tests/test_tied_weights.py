@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inflight.contracts import tied_aliases
-from inflight.trainer.weight_sync import WeightSyncClient
+from inflight.trainer.protocols.inflight import WeightSyncClient
 
 torch.set_num_threads(1)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -10,7 +10,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from tests.servers import generation_across_update, model_of, serve_model
 
 torch.set_num_threads(1)
@@ -161,8 +162,8 @@ def test_dry_run_only_for_an_announcement_not_yet_taken(server, hf, sync, monkey
     """The dry run checks names, shapes and dtypes: an announcement every server took on this group is not
     checked again; another one (a wrong tensor) is, and is refused before any broadcast."""
     paths = []
-    real = sync._post
-    monkeypatch.setattr(sync, "_post", lambda url, path, *a: paths.append(path) or real(url, path, *a))
+    real = sync.post
+    monkeypatch.setattr(sync, "post", lambda url, path, *a: paths.append(path) or real(url, path, *a))
     sync.push(perturbed(hf, seed=6).items(), version=4)  # whatever came before, this announcement was taken
     paths.clear()
     new = perturbed(hf, seed=7)
@@ -246,7 +247,7 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
 def test_init_process_group_fails_fast_when_a_server_cannot_join(server):
     """One good server and one address where nothing listens: the call fails at once, naming the dead server,
     instead of waiting for the group's timeout (10 s here); close() then waits for the abandoned set-up to end."""
-    from inflight.trainer.weight_sync import free_port
+    from inflight.host import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     client = WeightSyncClient([server.url, dead], timeout_s=10)
@@ -263,7 +264,7 @@ def test_a_new_group_supersedes_a_receive_whose_broadcast_never_comes(server, hf
     when its abort cannot free a group with an op still pending). The trainer forms the group again: the stalled
     update answers 409 at once (the group timeout is 60 s), nothing was applied, and a push on the new group lands
     exactly."""
-    from inflight.trainer.weight_sync import ServerAnswered
+    from inflight.trainer.protocols.common import ServerAnswered
 
     client = WeightSyncClient([server.url], timeout_s=60)
     try:
@@ -272,7 +273,7 @@ def test_a_new_group_supersedes_a_receive_whose_broadcast_never_comes(server, hf
         new = perturbed(hf, seed=50)
         body = {"version": 50, "mode": "keep", "params": [
             {"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in new.items()]}
-        stalled = client.pool.submit(client._post, server.url, "/request_weight_update", body)
+        stalled = client.pool.submit(client.post, server.url, "/request_weight_update", body)
         time.sleep(1.0)
         assert not stalled.done()  # the server is waiting inside the broadcast
         stale = client.group  # kept open: its connections do not close

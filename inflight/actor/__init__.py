@@ -8,7 +8,7 @@
 """
 
 from inflight.actor.actor import Actor, ActorMetrics
-from inflight.actor.adapters import ADAPTERS, Completion, ResponseError
+from inflight.actor.adapters import Completion, ResponseError, get_adapter
 from inflight.actor.config import ActorConfig
 from inflight.actor.evaluate import evaluate
 from inflight.actor.rollout import RolloutClient, default_rollout
@@ -16,7 +16,7 @@ from inflight.actor.run import open_actor, pipeline_limits, run_actor
 from inflight.actor.server_pool import BadRequest, RequestFailed, ServerPool
 
 __all__ = [
-    "ADAPTERS", "Actor", "ActorConfig", "ActorMetrics", "BadRequest", "Completion", "RequestFailed",
-    "ResponseError", "RolloutClient", "ServerPool", "default_rollout", "evaluate", "open_actor", "pipeline_limits",
+    "Actor", "ActorConfig", "ActorMetrics", "BadRequest", "Completion", "RequestFailed", "ResponseError",
+    "RolloutClient", "ServerPool", "default_rollout", "evaluate", "get_adapter", "open_actor", "pipeline_limits",
     "run_actor",
 ]

@@ -3,13 +3,16 @@
 Chat completions and text completions (/v1/completions, a prompt of token ids: how a multi-turn episode continues)
 parse alike. Each server family puts the sampled token ids, their logprobs and the weight versions in slightly different places;
 an adapter turns one response into a list of `Completion`s (one per choice), exactly as the server returned them.
-To support another server, write `parse_x(response_json) -> list[Completion]` and add it to `ADAPTERS`.
+A backend names its adapter in its registration (inflight/backends.py, `adapter`): `actor.adapter=NAME` is the
+adapter of the backend NAME; `parse_x(response_json) -> list[Completion]` may live anywhere importable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from inflight import backends
 
 
 class ResponseError(ValueError):
@@ -118,11 +121,6 @@ def parse_sglang(resp: dict[str, Any]) -> list[Completion]:
     return parse_vllm({**resp, "choices": choices})
 
 
-ADAPTERS: dict[str, Callable[[dict[str, Any]], list[Completion]]] = {
-    "builtin": parse_builtin, "vllm": parse_vllm, "sglang": parse_sglang}
-
-
 def get_adapter(name: str) -> Callable[[dict[str, Any]], list[Completion]]:
-    if name not in ADAPTERS:
-        raise ValueError(f"unknown response adapter '{name}'; choose one of {sorted(ADAPTERS)}")
-    return ADAPTERS[name]
+    """The response adapter of the backend `name` (actor.adapter), from the backends' registry."""
+    return backends.resolve(backends.adapter_path(name))

@@ -15,7 +15,7 @@ class ActorConfig:
     retries: int = 5
     backoff_s: float = 0.2  # first retry delay; doubles each retry
     probe_interval_s: float = 0.5  # how often a server out of rotation is probed (GET /health)
-    adapter: str = "builtin"  # response shape: builtin | vllm | sglang (see inflight/actor/adapters.py)
+    adapter: str = "builtin"  # response shape: a backend's name (inflight/backends.py; parsers: actor/adapters.py)
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     # with eval_every > 0, a fresh run first evaluates the starting weights, before any rollout (so every token of
     # it is version 0): the base model's held-out accuracy, logged as an eval record with base=true

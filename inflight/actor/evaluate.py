@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
+from inflight import backends
 from inflight.actor.adapters import Completion
 from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient
@@ -50,7 +51,7 @@ async def evaluate(
     client = RolloutClient(pool, cfg, model, served=served, version=version)
     max_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     # stock vLLM / SGLang reject a priority unless started with priority scheduling
-    extra = {"priority": cfg.eval_priority} if cfg.adapter == "builtin" and cfg.eval_priority else {}
+    extra = {"priority": cfg.eval_priority} if cfg.adapter == backends.BUILTIN and cfg.eval_priority else {}
     t0 = time.monotonic()
 
     async def one(ts: TaskSample) -> Completion | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
+from inflight import backends
 from inflight.actor.adapters import Completion, ResponseError
 from inflight.actor.config import ActorConfig
 from inflight.actor.server_pool import ServerPool
@@ -70,7 +71,7 @@ class RolloutClient:
             "top_p": self.cfg.top_p if top_p is None else top_p,
             **extra,
         }
-        if self.cfg.adapter != "builtin":  # stock vLLM / SGLang return token ids only when asked
+        if self.cfg.adapter != backends.BUILTIN:  # stock vLLM / SGLang return token ids only when asked
             payload.setdefault("return_token_ids", True)
         elif self.min_version > 0:
             payload["min_weight_version"] = self.min_version

@@ -75,7 +75,11 @@ def served_names(run_cfg: Any) -> Callable[[int], str | None] | None:
     """A LoRA run on stock vLLM servers (trainer.protocol=vllm): version v > 0 is served as its own adapter name
     (trainer/protocols/vllm_lora.py), version 0 as the base model; else None (the servers report versions)."""
     t = getattr(run_cfg, "trainer", None)
-    if t is None or t.protocol != "vllm" or t.lora is None:
+    if t is None or t.lora is None:
+        return None
+    from inflight.trainer.protocols import protocol_of  # only a LoRA run asks its protocol how versions are named
+
+    if not getattr(protocol_of(run_cfg), "ADAPTER_PER_VERSION", False):
         return None
     from inflight.trainer.config import served_adapter_name
 

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from inflight import backends
 from inflight.actor.adapters import Completion, get_adapter
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class ServerPool:
         retries: int = 5,
         backoff_s: float = 0.2,
         probe_interval_s: float = 0.5,
-        adapter: str = "builtin",
+        adapter: str = backends.BUILTIN,
     ):
         if not urls:
             raise ValueError("ServerPool needs at least one server url")

@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ServerConfig:
-    engine: str = "builtin"  # builtin | vllm | sglang
+    engine: str = "builtin"  # a backend's name: builtin, vllm, sglang or a registered one (inflight/backends.py)
     num_servers: int = 1
     host: str = "127.0.0.1"
     base_port: int = 8100  # server k listens on base_port + k

@@ -6,12 +6,14 @@ import argparse
 import logging
 import os
 
+from inflight import backends
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="folder of an HF causal LM (AutoModelForCausalLM)")
-    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm", "sglang"],
-                   help="builtin, vllm or sglang (run from that engine's environment; other options go to the "
-                        "engine; docs/backends.md)")
+    p.add_argument("--engine", default=backends.BUILTIN, choices=backends.names(),
+                   help=f"{backends.names_text()} (run from that engine's environment; other options go to "
+                        "the engine; docs/backends.md)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -60,17 +62,12 @@ def strip_engine_flag(argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine != "builtin" and args.adapter:
+    backend = backends.get(args.engine)
+    if backend.launcher is not None and args.adapter:
         raise SystemExit(f"--adapter is for the built-in engine; with --engine {args.engine}, push the adapter as an "
                          "update once the server is up (docs/inference-contract.md, \"Adapter updates\")")
-    if args.engine == "vllm":
-        from inflight.engine.vllm_backend.launcher import main as vllm_main
-
-        return vllm_main(strip_engine_flag(args.raw_argv))
-    if args.engine == "sglang":
-        from inflight.engine.sglang_backend.launcher import main as sglang_main
-
-        return sglang_main(strip_engine_flag(args.raw_argv))
+    if backend.launcher is not None:  # the backend's own launcher takes every argument but --engine
+        return int(backends.resolve(backend.launcher)(strip_engine_flag(args.raw_argv)) or 0)
     serve_app(build_app(args), args)
     return 0
 

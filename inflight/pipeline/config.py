@@ -1,5 +1,4 @@
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -36,13 +35,3 @@ class PipelineConfig:
     warn_truncated_steps: int = 20  # ... for this many steps in a row (0 = never)
     log_tail_lines: int = 15  # lines of a failed role's log printed on failure
 
-
-def startup_timeout(cfg: Any) -> float:
-    """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
-    SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
-    if cfg.pipeline.startup_timeout_s > 0:
-        return float(cfg.pipeline.startup_timeout_s)
-    if cfg.server.engine == "builtin" and cfg.trainer.protocol == "inflight":
-        return 180.0
-    servers = len(cfg.pipeline.server_urls) or cfg.server.num_servers
-    return 600.0 + 60.0 * max(0, servers - 1)

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
+from inflight import backends
 from inflight.config import save_config
 from inflight.pipeline import checkpoint as ckpt
-from inflight.pipeline.config import startup_timeout
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
 
@@ -43,11 +43,11 @@ def check_config(cfg: Any) -> None:
             import wandb  # noqa: F401
         except ImportError:
             raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
-    if cfg.server.engine not in ("builtin", "vllm", "sglang"):
-        raise ValueError(f"server.engine must be builtin, vllm or sglang, got {cfg.server.engine!r}")
+    if cfg.server.engine not in backends.names():
+        raise ValueError(f"server.engine must be {backends.names_text()}, got {cfg.server.engine!r}")
     if cfg.server.python and not p.server_urls and not shutil.which(cfg.server.python):
         raise ValueError(f"server.python '{cfg.server.python}' does not exist (the python of vLLM's environment)")
-    if p.restart_servers and (cfg.server.engine != "builtin" or p.server_urls):
+    if p.restart_servers and (not backends.get(cfg.server.engine).restartable or p.server_urls):
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
     check_lora_run(cfg)
     check_ranks(cfg)
@@ -101,12 +101,25 @@ def warn_oversubscribed(cfg: Any) -> None:
 
 def check_lora_run(cfg: Any) -> None:
     """trainer.lora pushes adapters: inflight's protocol (docs/inference-contract.md, "Adapter updates") or stock
-    vLLM's runtime LoRA loading (trainer.protocol=vllm, trainer/protocols/vllm_lora.py); not SGLang's."""
-    if cfg.trainer.lora is None or cfg.trainer.protocol == "inflight":
+    vLLM's runtime LoRA loading (trainer.protocol=vllm, trainer/protocols/vllm_lora.py); not SGLang's. Each
+    protocol's module says what it takes (`check_config`)."""
+    if cfg.trainer.lora is None:
         return
-    from inflight.trainer.protocols import check_stock_lora
+    from inflight.trainer.protocols import check_protocol_config
 
-    check_stock_lora(cfg)
+    check_protocol_config(cfg)
+
+
+def startup_timeout(cfg: Any) -> float:
+    """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
+    SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
+    if cfg.pipeline.startup_timeout_s > 0:
+        return float(cfg.pipeline.startup_timeout_s)
+    backend = backends.get(cfg.server.engine)
+    if backend.quick_start and cfg.trainer.protocol == backend.protocol:
+        return 180.0
+    servers = len(cfg.pipeline.server_urls) or cfg.server.num_servers
+    return 600.0 + 60.0 * max(0, servers - 1)
 
 
 def actor_config_for(cfg: Any) -> Any:
@@ -142,22 +155,11 @@ def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = F
 
 
 def engine_options(s: Any, cuda: bool) -> list[str]:
-    """`server.*` as the engine's own options. vLLM and SGLang pick their device themselves (CUDA_VISIBLE_DEVICES
-    is set per server) and take their threads from OMP_NUM_THREADS (`thread_env`), so no --device / --threads."""
-    if s.engine == "builtin":
-        return ["--dtype", s.dtype, "--max-batch", str(s.max_batch), "--max-model-len", str(s.max_model_len),
-                "--max-tokens-per-step", str(s.max_tokens_per_step), "--threads", str(s.threads),
-                *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
-                *([] if s.prefix_reuse else ["--no-prefix-reuse"]),
-                *(["--cuda-graphs", s.cuda_graphs] if s.cuda_graphs != "auto" else []),
-                *(["--device", "cuda"] if cuda else [])]
-    if s.engine == "vllm":  # vLLM's engine arguments (parsed by vLLM: engine/vllm_backend/launcher.py)
-        return ["--engine", "vllm", "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
-                "--max-num-seqs", str(s.max_batch), "--max-num-batched-tokens", str(s.max_tokens_per_step)]
-    if s.engine == "sglang":  # SGLang's server arguments (engine/sglang_backend/launcher.py)
-        return ["--engine", "sglang", "--dtype", s.dtype, "--context-length", str(s.max_model_len),
-                "--max-running-requests", str(s.max_batch), "--chunked-prefill-size", str(s.max_tokens_per_step)]
-    raise ValueError(f"server.engine must be builtin, vllm or sglang, got {s.engine!r}")
+    """`server.*` as the engine's own options: `--engine NAME` for a backend with a launcher of its own, then the
+    backend's mapping (its registration's `options`, inflight/backends.py)."""
+    backend = backends.get(s.engine)
+    engine = ["--engine", backend.name] if backend.launcher is not None else []
+    return [*engine, *backends.resolve(backend.options)(s, cuda)]
 
 
 def thread_env(threads: int) -> dict[str, str]:

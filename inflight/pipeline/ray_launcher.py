@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from inflight import backends
 from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.launch_common import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
@@ -36,8 +37,9 @@ def check_ray_config(cfg: Any) -> str:
                          "different hosts; set pipeline.redis_url to a Redis every host reaches, docs/multi-host.md)")
     if p.server_urls:
         raise ValueError("pipeline.launcher=ray starts the servers itself: leave pipeline.server_urls empty")
-    if cfg.server.engine != "builtin":
-        raise ValueError("pipeline.launcher=ray supports server.engine=builtin only")
+    if not backends.get(cfg.server.engine).ray:
+        ray_ones = [n for n in backends.names() if backends.get(n).ray]
+        raise ValueError(f"pipeline.launcher=ray supports server.engine={' or '.join(ray_ones)} only")
     key = cfg.server.api_key or os.environ.get("INFLIGHT_API_KEY", "")
     if not key:
         raise ValueError("pipeline.launcher=ray needs an API key (servers listen on the network): set "

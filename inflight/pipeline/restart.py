@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from inflight import backends
+
 OPEN_PATHS = ("/init_process_group", "/request_weight_update", "/check_weight_update", "/metrics")
 
 
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m inflight.pipeline.restart")
     serve.add_arguments(parser)
     args = parser.parse_args(argv)
-    if getattr(args, "engine", "builtin") not in (None, "builtin"):
+    if args.engine is not None and not backends.get(args.engine).restartable:
         raise SystemExit("restart_servers supports the built-in engine only")
     app = serve.build_app(args)
     logging.getLogger("inflight.restart").warning("restarted server: waiting for the current weights")

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from inflight.heap import freeze_startup_objects
-from inflight.pipeline.config import startup_timeout
+from inflight.pipeline.launch_common import startup_timeout, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 
 
@@ -65,8 +65,6 @@ def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, re
         ref = make_trainer(cfg.model.path, replace(cfg.trainer, lora=None))  # the base alone, with LoRA too
         ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
-    from inflight.pipeline.launch_common import wait_healthy
-
     wait_healthy(server_urls, [], startup_timeout(cfg), cfg.server.api_key)  # servers may still load
     sync.init_process_group()
     log.log("trainer_ready", step=engine.version, init_s=time.time() - t0, pid=os.getpid(),

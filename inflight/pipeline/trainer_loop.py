@@ -43,7 +43,7 @@ from inflight.algo.truncation import trains
 from inflight.contracts import Group, Sample
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
 from inflight.pipeline.completions import TruncationAlarm, completion_stats
-from inflight.pipeline.config import startup_timeout
+from inflight.pipeline.launch_common import startup_timeout
 from inflight.pipeline.ordering import StartOrder
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 
@@ -341,7 +341,7 @@ class TrainerLoop:
         (4xx other than 409) or `pipeline.weight_sync_retries` failures stop the trainer with the servers'
         versions in the message. A server applies an update whole or not at all, so each holds one version."""
         from inflight.pipeline.restart import rejoin_weight_group, server_versions
-        from inflight.trainer.weight_sync import WeightSyncError
+        from inflight.trainer.protocols.common import WeightSyncError
 
         retries = self.cfg.pipeline.weight_sync_retries
         for attempt in range(retries + 1):
@@ -367,7 +367,7 @@ class TrainerLoop:
         import threading
 
         from inflight.pipeline.restart import refused
-        from inflight.trainer.weight_sync import WeightSyncError
+        from inflight.trainer.protocols.common import WeightSyncError
 
         box: dict[str, Any] = {}
 

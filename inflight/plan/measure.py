@@ -17,6 +17,7 @@ import statistics
 import time
 from typing import Any, Callable, Iterator, cast
 
+from inflight import backends
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 
 
@@ -97,7 +98,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
             pauses.append(time.perf_counter() - t0)
     finally:
         eng.stop()
-    prof = EngineProfile(name="builtin", model=model_path, devices=max(1, threads), max_batch=max_batch,
+    prof = EngineProfile(name=backends.BUILTIN, model=model_path, devices=max(1, threads), max_batch=max_batch,
                          max_model_len=eng.max_model_len,
                          decode=DecodeCurve(batches=batches, contexts=contexts, step_s=grid),
                          prefill_tokens_per_s=prefill_tok_s)

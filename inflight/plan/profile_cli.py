@@ -15,6 +15,7 @@ import datetime
 import platform
 import sys
 
+from inflight import backends
 from inflight.plan.profile import Profile, TrainerProfile
 
 
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         push, pause = measure.measure_push(cfg)
         print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
     reply: dict[str, float] = {}
-    if not args.server and not args.no_reply and cfg.server.engine == "builtin":
+    if not args.server and not args.no_reply and cfg.server.engine == backends.BUILTIN:
         from inflight.plan.corun import measure_wakeup_wait
 
         reply = measure_reply(cfg, args.reply_lengths)
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                                           prompt=args.prompt_tokens, completion=args.completion_tokens)
         print(f"trainer: {trainer.tokens_per_s:.0f} tok/s, optimizer step {trainer.step_overhead_s * 1e3:.1f} ms, "
               f"cost per token +{trainer.length_slope:.2%} per completion token")
-    if not (args.server or args.no_trainer or args.no_corun) and cfg.server.engine == "builtin":
+    if not (args.server or args.no_trainer or args.no_corun) and cfg.server.engine == backends.BUILTIN:
         reply.update(measure_corun(cfg, args.prompt_tokens, args.completion_tokens,
                                    push=push is not None and args.push_s is None))
     prof = Profile(source=f"measured by `inflight profile {args.config}` on {platform.node()} ({platform.machine()}, "

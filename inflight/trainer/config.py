@@ -48,5 +48,5 @@ class TrainerConfig:
     weight_bucket_mb: float = 16.0  # process_group: small tensors packed into one broadcast per bucket (0 = per tensor)
     shm_dir: str = "/dev/shm"  # shm and file transports: a memory file system all servers of the host can read
     shm_lend: bool = True  # shm: two segments in turn, lent to the servers, which compute from them (one copy a push)
-    protocol: str = "inflight"  # inflight | vllm | sglang (weight-update protocol of the servers)
+    protocol: str = "inflight"  # weight-update protocol of the servers: inflight, vllm, sglang (inflight/backends.py)
     lora: LoraConfig | None = None  # null: full fine-tuning; set (e.g. trainer.lora.rank=8): a LoRA adapter

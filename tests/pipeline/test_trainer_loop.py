@@ -18,8 +18,8 @@ from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.trainer_loop import TrainerLoop
 from inflight.streams.memory import MemoryStream
 from inflight.trainer.config import TrainerConfig
+from inflight.trainer.protocols.common import WeightSyncError
 from inflight.trainer.single import SingleDeviceTrainer
-from inflight.trainer.weight_sync import WeightSyncError
 from tests.reliability.pipeline_helpers import records
 
 torch.set_num_threads(1)

@@ -4,9 +4,9 @@ import pytest
 
 from inflight.config import RunConfig, load_config
 from inflight.trainer.protocols import make_weight_sync
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.protocols.sglang import SGLangWeightSync
 from inflight.trainer.protocols.vllm import VLLMWeightSync
-from inflight.trainer.weight_sync import WeightSyncClient
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2/"]
 

@@ -24,7 +24,7 @@ from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
 from inflight.pipeline.restart import refused  # noqa: E402
 from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
-from inflight.trainer.weight_sync import WeightSyncClient  # noqa: E402
+from inflight.trainer.protocols.inflight import WeightSyncClient  # noqa: E402
 from tests.reliability.test_weight_update_faults import SERVE  # noqa: E402
 from tests.test_lora_push import chat  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402

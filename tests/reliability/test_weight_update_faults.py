@@ -16,8 +16,8 @@ from inflight.engine.serve import ServerProcess
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.trainer_loop import TrainerLoop
 from inflight.trainer.config import TrainerConfig
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.single import SingleDeviceTrainer
-from inflight.trainer.weight_sync import WeightSyncClient
 from tests.reliability.pipeline_helpers import records
 
 pytestmark = pytest.mark.slow  # two server start-ups per test (~45 s together on 2 shared cores)

@@ -12,7 +12,9 @@ import torch
 
 from inflight.engine.guards import check_master_address
 from inflight.engine.serve import ServerProcess
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError, free_port
+from inflight.host import free_port
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 
 torch.set_num_threads(1)
 KEY = "k3y-for-tests"

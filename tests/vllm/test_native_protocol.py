@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from inflight.engine.serve import ServerProcess
-from inflight.trainer.protocols.common import TorchGroup
+from inflight.trainer.protocols.common import TorchGroup, WeightSyncError
 from inflight.trainer.protocols.vllm import VLLMWeightSync
-from inflight.trainer.weight_sync import WeightSyncError
 from tests.vllm.conftest import VLLM_PYTHON
 
 needs_vllm = pytest.mark.skipif(not (VLLM_PYTHON and os.path.exists(VLLM_PYTHON)),

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from inflight.engine.serve import ServerProcess
+from inflight.trainer.protocols.common import WeightSyncError
 from inflight.trainer.protocols.vllm_lora import AdapterRejected, VLLMLoraSync, checkpoint_shapes
-from inflight.trainer.weight_sync import WeightSyncError
 from tests.test_lora_push import make_adapter, merged64
 from tests.vllm.conftest import VLLM_PYTHON
 

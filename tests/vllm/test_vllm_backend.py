@@ -60,7 +60,7 @@ def test_conformance_suite(vllm_server):
 
 
 def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model_dir):
-    from inflight.trainer.weight_sync import WeightSyncClient
+    from inflight.trainer.protocols.inflight import WeightSyncClient
 
     url, name = vllm_server.url, Path(vllm_model_dir).name
     ch = _greedy(url, name)
@@ -120,7 +120,7 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
 def test_update_in_the_middle_of_a_generation(vllm_server, hf_model, vllm_model_dir, mode):
     """Versions switch inside one choice and never decrease; in interrupt mode the tokens after the switch are
     exactly those of the new weights over the whole sequence (the KV cache was recomputed)."""
-    from inflight.trainer.weight_sync import WeightSyncClient
+    from inflight.trainer.protocols.inflight import WeightSyncClient
 
     url, name = vllm_server.url, Path(vllm_model_dir).name
     old = httpx.get(url + "/health").json()["version"]

@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from tests.vllm.conftest import VLLM_PYTHON, build_vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,

@@ -1,5 +1,6 @@
 """vLLM behind the inflight inference contract (docs/backends.md).
 
+- backend.py: the registration (inflight/backends.py): launcher, option mapping, protocol, adapter.
 - launcher.py: `inflight serve --engine vllm --model DIR [vLLM options]`: vLLM's `AsyncLLM` + inflight's HTTP layer.
 - engine.py: `VLLMEngine`, the adapter that inflight's OpenAI endpoints drive (token ids, logprobs, exact versions).
 - receiver.py: `/init_process_group`, `/request_weight_update` (validation, pause, rpc to the workers, version).

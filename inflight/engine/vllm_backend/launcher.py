@@ -17,11 +17,6 @@ import os
 import sys
 from typing import Any
 
-from fastapi import Depends, HTTPException, Request
-from fastapi.responses import PlainTextResponse
-
-from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
-
 WORKER_EXT = "inflight.engine.vllm_backend.worker_ext.InflightWorkerExtension"
 SUPPORTED = ((0, 32), (0, 34))  # [min, max) vLLM minor versions; see docs/backends.md
 DEFAULTS = [("--enable-prefix-caching", "--no-enable-prefix-caching"),
@@ -73,57 +68,23 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
 
 
 def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool) -> Any:
-    """inflight's app (OpenAI API + extensions) with the admin routes served by `receiver` (the workers)."""
-    from inflight.engine.server import LOCAL_HOSTS, BadRequest, create_app, prometheus_text
-    from inflight.engine.weight_receiver import WeightUpdateError
+    """inflight's app over vLLM: the built-in server's OpenAI and health routers over `engine`, its weight router
+    over `receiver` (the workers), behind the same access rules (server.py)."""
+    from inflight.engine.guards import Admission
+    from inflight.engine.http_errors import Auth
+    from inflight.engine.routes_health import health_router, prometheus_text
+    from inflight.engine.routes_openai import openai_router
+    from inflight.engine.routes_weights import weights_router
+    from inflight.engine.server import base_app
 
-    app = create_app(engine, api_key=api_key, allow_remote_admin=allow_remote_admin, max_n=engine.max_batch)
-    replaced = {"/init_process_group", "/request_weight_update", "/check_weight_update", "/metrics"}
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in replaced]
-
-    async def auth(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            log.warning("401 %s from %s", request.url.path, request.client.host if request.client else "?")
-            raise HTTPException(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
-
-    async def admin(request: Request) -> None:
-        host = request.client.host if request.client else ""
-        if not allow_remote_admin and host not in LOCAL_HOSTS:
-            log.warning("403 %s from %s: admin endpoints are local-only", request.url.path, host)
-            raise HTTPException(403, "admin endpoints accept local clients only (serve --allow-remote-admin)")
-
-    @app.post("/init_process_group", dependencies=[Depends(auth), Depends(admin)])
-    async def init_process_group(req: InitProcessGroupRequest) -> dict[str, Any]:
-        try:
-            return await receiver.init_process_group(req)
-        except WeightUpdateError as e:
-            raise BadRequest(str(e), status=e.status) from e
-        except Exception as e:
-            raise BadRequest(f"could not join the process group: {e}", status=500) from e
-
-    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin)])
-    async def request_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
-        try:
-            return await receiver.update(req)
-        except WeightUpdateError as e:
-            log.warning("weight update v%d rejected: %s", req.version, e)
-            raise BadRequest(str(e), status=e.status) from e
-        except Exception as e:
-            log.exception("weight update v%d failed", req.version)
-            raise BadRequest(f"weight update failed: {e}", status=500) from e
-
-    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin)])
-    async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
-        try:
-            receiver.validate(req)
-        except WeightUpdateError as e:
-            raise BadRequest(str(e), status=e.status) from e
-        return {"ok": True}
-
-    @app.get("/metrics", dependencies=[Depends(auth)])
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(engine.stats(), receiver.updates))
-
+    app = base_app(engine)
+    admission = Admission(engine.max_batch, None)
+    app.state.receiver, app.state.admission = receiver, admission
+    auth = Auth(api_key, allow_remote_admin)
+    app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch))
+    app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates)))
+    # the receiver joins the group where the trainer says (no address check) and checks updates itself
+    app.include_router(weights_router(receiver, auth, check_address=False))
     return app
 
 

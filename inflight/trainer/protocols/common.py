@@ -1,4 +1,4 @@
-"""What the stock-server weight clients share: JSON posts to every server with errors that name the server, and the
+"""What every weight client shares (inflight's own, inflight.py, and the stock-server ones): JSON posts to every server with errors that name the server, and the
 trainer's side of a weight group (rank 0 hosts the TCPStore; the servers join as ranks 1..).
 
 SGLang's receivers build their group with `init_custom_process_group` (TorchGroup below says exactly how); vLLM's
@@ -11,14 +11,64 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import logging
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
 import httpx
 import torch
 
-from inflight.trainer.weight_sync import (DTYPE_NAMES, DTYPES, WeightSyncError, cuda_device, free_port, on_device,
-                                          unique_tensors)
+from inflight.host import free_port
+
+log = logging.getLogger("inflight.trainer.protocols")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class WeightSyncError(RuntimeError):
+    """A server rejected an update, failed, or did not answer in time (the message names it)."""
+
+
+class ServerAnswered(WeightSyncError):
+    """The server answered with an error status: it is alive and has left the request (a broadcast included)."""
+
+
+def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor once: a later name for the same storage (a tied alias such as lm_head.weight) is dropped."""
+    seen, out = set(), []
+    for name, t in named:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+               t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            log.debug("not sending %s: it shares its storage with a tensor sent under another name", name)
+            continue
+        seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def on_device(device: torch.device | None, fn):
+    """fn, run with `device` current (CUDA keeps the current device per thread; a new thread starts on 0)."""
+    if device is None or device.type != "cuda":
+        return fn
+
+    def bound():
+        torch.cuda.set_device(device)
+        return fn()
+
+    return bound
+
+
+def cuda_device(device: str | torch.device | None) -> torch.device | None:
+    """The CUDA device the helper threads make current (None on CPU); "cuda" alone: the caller's current one."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 class Broadcaster:
@@ -68,7 +118,8 @@ class TorchGroup(Broadcaster):
 
 
 class ProtocolClient:
-    """HTTP plumbing and the push skeleton of a stock-server client; subclasses supply the routes."""
+    """HTTP plumbing and the push skeleton of a weight client; subclasses supply the routes (inflight.py: inflight's
+    contract; vllm.py, sglang.py: stock servers)."""
 
     protocol = "?"
 
@@ -104,27 +155,35 @@ class ProtocolClient:
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
     def request(self, url: str, method: str, path: str, body: dict | None = None,
-                params: dict | None = None) -> dict:
+                params: dict | None = None, optional: bool = False) -> dict:
+        """One call to one server; an error names the server and the path. An answer with an error status (or
+        SGLang's `success: false`) raises ServerAnswered: the server is alive and has left the request. `optional`:
+        a route the server may not have (404 reads as {})."""
         try:
             r = self.http.request(method, url + path, json=body, params=params)
         except httpx.TimeoutException as e:
             raise WeightSyncError(f"server {url}: {path} timed out after {self.timeout_s:.0f}s") from e
         except httpx.HTTPError as e:
             raise WeightSyncError(f"server {url}: {path} failed: {e}") from e
+        if optional and r.status_code == 404:
+            return {}  # a backend without the optional route (e.g. the dry run /check_weight_update)
         try:
             data = r.json() if r.content else {}
         except ValueError:
             data = {"message": r.text[:500]}
         if r.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
-            raise WeightSyncError(f"server {url} rejected {path} (HTTP {r.status_code}): {error_text(data)}")
+            raise ServerAnswered(f"server {url} rejected {path} (HTTP {r.status_code}): {error_text(data)}")
         return data if isinstance(data, dict) else {"value": data}
+
+    def post(self, url: str, path: str, body: dict | None = None, optional: bool = False) -> dict:
+        return self.request(url, "POST", path, body, optional=optional)
 
     def post_all(self, path: str, body: dict | Callable[[int], dict] | None = None,
                  params: dict | None = None) -> list[dict]:
         """POST to every server concurrently; `body` may depend on the server's index."""
         futures = [self.pool.submit(self.request, u, "POST", path, body(i) if callable(body) else body, params)
                    for i, u in enumerate(self.urls)]
-        return collect(futures, path)
+        return self.collect(futures, path)
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def convert(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -151,9 +210,9 @@ class ProtocolClient:
                     break  # a server refused: it will not join this broadcast
                 self.group.send(t)
         except Exception as e:
-            collect(posts, path)  # a server's own error explains it best
+            self.collect(posts, path)  # a server's own error explains it best
             raise WeightSyncError(f"broadcast failed: {e}") from e
-        return collect(posts, path)
+        return self.collect(posts, path)
 
     def host_group(self, join: Callable[[], list[dict]], make_group: Callable[[Any], Broadcaster],
                    host_store: bool = True) -> None:
@@ -167,10 +226,10 @@ class ProtocolClient:
             self.store = TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
                                   timeout=timeout, wait_for_workers=False)
         joined: cf.Future = cf.Future()
-        threading.Thread(target=lambda: _run_into(joined, join), name="weight-join", daemon=True).start()
+        threading.Thread(target=lambda: run_into(joined, join), name="weight-join", daemon=True).start()
         group: cf.Future = cf.Future()
         build = on_device(self.device, lambda: make_group(self.store))
-        threading.Thread(target=lambda: _run_into(group, build), name="weight-group", daemon=True).start()
+        threading.Thread(target=lambda: run_into(group, build), name="weight-group", daemon=True).start()
         cf.wait([joined, group], return_when=cf.FIRST_EXCEPTION)
         if group.done() and group.exception() is not None:
             cf.wait([joined], timeout=5.0)  # a server's refusal explains it best
@@ -181,6 +240,22 @@ class ProtocolClient:
         self.group = group.result()
         joined.result()
 
+    def collect(self, futures: list[cf.Future], what: str, timeout_s: float | None = None) -> list[dict]:
+        """Every answer, or one WeightSyncError naming each failed server. With timeout_s, `futures` are the posts
+        to self.urls in order (a server that does not answer in time is named by its url)."""
+        errors, answers = [], []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for url, f in zip(self.urls, futures):
+            try:
+                answers.append(f.result(None if deadline is None else max(0.0, deadline - time.monotonic())))
+            except cf.TimeoutError:
+                errors.append(f"server {url}: no answer to {what} within {timeout_s:.0f}s")
+            except Exception as e:
+                errors.append(str(e))
+        if errors:
+            raise WeightSyncError(f"{what}: " + " | ".join(errors))
+        return answers
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
@@ -190,7 +265,8 @@ class ProtocolClient:
         self.store = None
 
 
-def _run_into(future: cf.Future, fn: Callable[[], Any]) -> None:
+def run_into(future: cf.Future, fn: Callable[[], Any]) -> None:
+    """fn's result or exception into `future` (fn runs on a helper thread; the caller waits on the future)."""
     try:
         future.set_result(fn())
     except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
@@ -207,15 +283,3 @@ def error_text(data: Any) -> str:
             if data.get(key):
                 return str(data[key])
     return str(data)[:500]
-
-
-def collect(futures: list[cf.Future], what: str) -> list[dict]:
-    errors, answers = [], []
-    for f in futures:
-        try:
-            answers.append(f.result())
-        except Exception as e:
-            errors.append(str(e))
-    if errors:
-        raise WeightSyncError(f"{what}: " + " | ".join(errors))
-    return answers

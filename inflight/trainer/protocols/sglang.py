@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
-from inflight.trainer.protocols.common import ProtocolClient, TorchGroup
-from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError
+from inflight.trainer.protocols.common import DTYPE_NAMES, ProtocolClient, TorchGroup, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.sglang")
 
@@ -93,3 +92,17 @@ def _td(seconds: float):
     import datetime
 
     return datetime.timedelta(seconds=seconds)
+
+
+def check_config(cfg: Any) -> None:
+    if getattr(cfg.trainer, "lora", None) is not None:
+        raise ValueError("trainer.lora with trainer.protocol=sglang is not supported (SGLang's /load_lora_adapter has "
+                         "never run here); use trainer.protocol=vllm (stock vLLM with --enable-lora) or inflight")
+
+
+def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
+    from inflight.trainer.protocols import require_process_group
+
+    check_config(cfg)
+    require_process_group(cfg)
+    return SGLangWeightSync(server_urls, **common)

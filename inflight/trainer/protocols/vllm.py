@@ -28,10 +28,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from inflight.trainer.protocols.common import Broadcaster, ProtocolClient
-from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError
+from inflight.trainer.protocols.common import DTYPE_NAMES, Broadcaster, ProtocolClient, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.vllm")
+ADAPTER_PER_VERSION = True  # with trainer.lora, version v > 0 is served under its own adapter name (vllm_lora.py)
 
 
 class VLLMNcclSender(Broadcaster):
@@ -113,3 +113,43 @@ class VLLMWeightSync(ProtocolClient):
         log.info("pushed v%d to vllm: %d tensors, %.1f MB in %.3fs", version, len(tensors), nbytes / 1e6, seconds)
         return {"version": version, "bytes": nbytes, "seconds": seconds, "num_tensors": len(tensors),
                 "pause_s": {u: pause for u in self.urls}}
+
+
+def check_config(cfg: Any) -> None:
+    """trainer.lora with stock vLLM servers: vLLM's runtime LoRA loading (vllm_lora.py)."""
+    if getattr(cfg.trainer, "lora", None) is None:
+        return
+    if cfg.pipeline.update_mode != "keep":
+        raise ValueError("trainer.lora with trainer.protocol=vllm: pipeline.update_mode must be 'keep' (vLLM keeps a "
+                         "running request on the adapter it started with; it cannot move it to newer weights)")
+    if cfg.actor.adapter != VLLMWeightSync.protocol:
+        raise ValueError("trainer.lora with trainer.protocol=vllm needs actor.adapter=vllm (the actor asks for each "
+                         "version's adapter by name)")
+
+
+def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
+    from inflight.trainer.protocols import require_process_group
+
+    t = cfg.trainer
+    if getattr(t, "lora", None) is not None:
+        check_config(cfg)
+        return vllm_lora_client(cfg, server_urls)
+    require_process_group(cfg)
+    if t.weight_backend == "gloo":
+        raise ValueError("trainer.protocol=vllm broadcasts with vLLM's own NCCL communicator (the server's "
+                         "--weight-transfer-config backend); trainer.weight_backend=gloo is not available there")
+    return VLLMWeightSync(server_urls, **{k: v for k, v in common.items() if k != "backend"})
+
+
+def vllm_lora_client(cfg: Any, server_urls: list[str]) -> Any:
+    """The adapter client for stock vLLM servers: folders under trainer.lora.served_dir (default
+    <run dir>/served_adapters), the last actor.max_lag + 2 versions loaded (a running group may use any of them)."""
+    import os
+
+    from inflight.trainer.protocols.vllm_lora import VLLMLoraSync, checkpoint_shapes
+
+    lora = cfg.trainer.lora
+    folder = lora.served_dir or os.path.join(cfg.pipeline.run_dir, cfg.name, "served_adapters")
+    shapes = checkpoint_shapes(cfg.model.path) if os.path.isdir(cfg.model.path) else None
+    return VLLMLoraSync(server_urls, folder, name=lora.served_name, keep=cfg.actor.max_lag + 2,
+                        api_key=cfg.server.api_key or None, base_shapes=shapes or None, base_model=cfg.model.path)

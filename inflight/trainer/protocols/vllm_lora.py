@@ -43,8 +43,7 @@ from inflight.contracts import ParamInfo, adapter_pairs
 from inflight.finite import nonfinite
 from inflight.trainer.config import served_adapter_name
 from inflight.trainer.lora import to_peft_names
-from inflight.trainer.protocols.common import error_text
-from inflight.trainer.weight_sync import DTYPE_NAMES, WeightSyncError, unique_tensors
+from inflight.trainer.protocols.common import DTYPE_NAMES, WeightSyncError, error_text, unique_tensors
 
 log = logging.getLogger("inflight.trainer.protocols.vllm_lora")
 

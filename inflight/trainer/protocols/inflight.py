@@ -1,4 +1,5 @@
-"""Trainer side of the weight-update contract (docs/inference-contract.md): rank 0 hosts the TCPStore, asks every
+"""`trainer.protocol: inflight`: the trainer side of inflight's weight-update contract (docs/inference-contract.md),
+spoken by the built-in engine and by `inflight serve --engine vllm`: rank 0 hosts the TCPStore, asks every
 server to join the process group, and after each optimizer step announces the tensors and broadcasts them.
 
     client = WeightSyncClient(["http://127.0.0.1:8100"])
@@ -42,50 +43,20 @@ import time
 import uuid
 from typing import Any, Iterable
 
-import httpx
 import torch
 
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
-from inflight.trainer.prepared import PreparedUpdate, prepare_update
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
+from inflight.trainer.prepared import PreparedUpdate, prepare_update
+from inflight.trainer.protocols.common import (DTYPE_NAMES, ProtocolClient, ServerAnswered, WeightSyncError,
+                                               on_device, run_into, unique_tensors)
 
-log = logging.getLogger("inflight.trainer.weight_sync")
+log = logging.getLogger("inflight.trainer.protocols.inflight")
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 TRANSPORTS = ("process_group", "file", "shm")
 SENDER_GRACE_S = 1.0  # after a server answered an error, how long the broadcast may take to finish before the abort
 ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
-
-
-def _run_into(future: cf.Future, fn) -> None:
-    try:
-        future.set_result(fn())
-    except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-        future.set_exception(exc)
-
-
-class WeightSyncError(RuntimeError):
-    """A server rejected an update, failed, or did not answer in time (the message names it)."""
-
-
-class ServerAnswered(WeightSyncError):
-    """The server answered with an error status: it is alive and has left the request (a broadcast included)."""
-
-
-def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Each tensor once: a later name for the same storage (a tied alias such as lm_head.weight) is dropped."""
-    seen, out = set(), []
-    for name, t in named:
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-               t.dtype) if t.numel() else None
-        if key is not None and key in seen:
-            log.debug("not sending %s: it shares its storage with a tensor sent under another name", name)
-            continue
-        seen.add(key)
-        out.append((name, t))
-    return out
 
 
 def _params(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> list[dict]:
@@ -93,19 +64,12 @@ def _params(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) 
     return [{"name": n, "shape": list(t.shape), "dtype": DTYPE_NAMES[dtype or t.dtype]} for n, t in tensors]
 
 
-def on_device(device: torch.device | None, fn):
-    """fn, run with `device` current (CUDA keeps the current device per thread; a new thread starts on 0)."""
-    if device is None or device.type != "cuda":
-        return fn
+class WeightSyncClient(ProtocolClient):
+    """inflight's contract on ProtocolClient's HTTP plumbing: transports process_group (gloo or NCCL, optionally in
+    buckets), shm and file; a dry run before an announcement the servers have not taken yet; abort on a failure."""
 
-    def bound():
-        torch.cuda.set_device(device)
-        return fn()
+    protocol = "inflight"
 
-    return bound
-
-
-class WeightSyncClient:
     def __init__(self, server_urls: list[str], *, api_key: str | None = None, master_address: str = "127.0.0.1",
                  master_port: int = 0, backend: str = "gloo", transport: str = "process_group",
                  timeout_s: float = 600.0, dtype: str | None = None, shm_dir: str = "/dev/shm",
@@ -113,36 +77,21 @@ class WeightSyncClient:
                  shm_lend: bool = True):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
-        if not server_urls:
-            raise ValueError("no server urls")
-        self.urls = [u.rstrip("/") for u in server_urls]
-        self.master_address, self.master_port = master_address, master_port
-        self.backend, self.transport, self.timeout_s = backend, transport, timeout_s
-        self.dtype = DTYPES[dtype] if dtype else None  # None: send tensors in their own dtype
+        super().__init__(server_urls, api_key=api_key, master_address=master_address, master_port=master_port,
+                         backend=backend, timeout_s=timeout_s, dtype=dtype, device=device)
+        self.transport = transport
+        self.group: Any = None  # a torch ProcessGroup (gloo or NCCL) of our own, not a Broadcaster
         self.shm_dir = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
-        self.device = cuda_device(device)
         self._shm = ShmWriter(self.shm_dir, lend=shm_lend) if transport == "shm" else None
         self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
         self.last_write_s = 0.0  # seconds the last shm push took to write its segment
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
         self._buckets: list[torch.Tensor] = []  # its packing buffers, reused while the announcement stays the same
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0))
-        # two posts per server: the posts of a broken-off update may still be waiting when the group is formed again
-        self.pool = cf.ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="weight-sync")
-        self.store: Any = None
-        self.group: Any = None
         self._generation = 0  # +1 whenever the group is replaced or aborted: a stale abort leaves a new group alone
         self._group_thread: threading.Thread | None = None
         self._accepted: tuple | None = None  # (group generation, mode, tensor specs) of the last update all took
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.urls)
 
     # ---- process group ----------------------------------------------------------------------------------------
     def init_process_group(self, group_name: str = "inflight_weights") -> None:
@@ -157,7 +106,7 @@ class WeightSyncClient:
         # wait_for_workers=False: otherwise the constructor blocks until every server has connected.
         self.store = TCPStore(self.master_address, self.master_port, self.world_size, is_master=True,
                               timeout=timeout, wait_for_workers=False)
-        posts = [self.pool.submit(self._post, url, "/init_process_group", {
+        posts = [self.pool.submit(self.post, url, "/init_process_group", {
             "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1 + i,
             "world_size": self.world_size, "backend": self.backend, "group_name": group_name,
             "timeout_s": self.timeout_s}) for i, url in enumerate(self.urls)]
@@ -175,18 +124,18 @@ class WeightSyncClient:
         # cannot be reached) fails the call at once instead of after the group's timeout.
         group: cf.Future = cf.Future()
         build_here = on_device(self.device, build)
-        self._group_thread = threading.Thread(target=lambda: _run_into(group, build_here), name="weight-group",
+        self._group_thread = threading.Thread(target=lambda: run_into(group, build_here), name="weight-group",
                                               daemon=True)
         self._group_thread.start()  # after a fast failure it ends at the group timeout; close() waits for it
         pending = {group, *posts}
         while group in pending:
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             if any(p in done and p.exception() is not None for p in posts):
-                self._collect([p for p in posts if p.done()], "init_process_group")  # raises, naming the server
+                self.collect([p for p in posts if p.done()], "init_process_group")  # raises, naming the server
         if group.exception() is not None:
-            self._collect(posts, "init_process_group")  # a server's own error explains it best
+            self.collect(posts, "init_process_group")  # a server's own error explains it best
         self.group = group.result()
-        self._collect(posts, "init_process_group")
+        self.collect(posts, "init_process_group")
         log.info("weight group up: %d servers, %s:%d (%s)", len(self.urls), self.master_address, self.master_port,
                  self.backend)
 
@@ -276,14 +225,14 @@ class WeightSyncClient:
         announced = (self._generation, mode, tuple((p["name"], tuple(p["shape"]), p["dtype"]) for p in params),
                      tuple(sorted(extra.get("adapter", {}).items())))
         if self.precheck and announced != self._accepted:
-            self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True) for u in self.urls],
+            self.collect([self.pool.submit(self.post, u, "/check_weight_update", body, True) for u in self.urls],
                           "check_weight_update")
-        posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
+        posts = [self.pool.submit(self.post, u, "/request_weight_update", body) for u in self.urls]
         generation = self._generation
         sender: cf.Future = cf.Future()
         payload = payload_of(announced)
         send = on_device(self.device, lambda: self._send_all(payload, generation))
-        threading.Thread(target=lambda: _run_into(sender, send), name=f"broadcast-v{version}", daemon=True).start()
+        threading.Thread(target=lambda: run_into(sender, send), name=f"broadcast-v{version}", daemon=True).start()
         pending: set[cf.Future] = {sender, *posts}
         while sender in pending:  # a server whose request fails has left the broadcast: stop at once
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -300,12 +249,12 @@ class WeightSyncClient:
             t0 = time.perf_counter()
             self.abort_group(generation)  # the servers still receiving fail now, not at the group timeout
             try:  # each server's own answer names it (the dead one: a connection error)
-                self._collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
+                self.collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
             except WeightSyncError as e:
                 raise WeightSyncError(f"broadcast of v{version} broke off ({reason[:300]}); weight group aborted, "
                                       f"servers answered in {time.perf_counter() - t0:.2f}s: {e}") from None
             raise WeightSyncError(f"broadcast of v{version} failed: {reason}")
-        answers = self._collect(posts, "request_weight_update")
+        answers = self.collect(posts, "request_weight_update")
         self._accepted = announced
         return answers
 
@@ -392,10 +341,10 @@ class WeightSyncClient:
         body = {"version": version, "mode": mode, "params": params, "shm": segment, **extra}
         try:
             if self.precheck and announced != self._accepted:
-                self._collect([self.pool.submit(self._post, u, "/check_weight_update", body, True)
+                self.collect([self.pool.submit(self.post, u, "/check_weight_update", body, True)
                                for u in self.urls], "check_weight_update")
             overlap = progress_is_ordered()
-            posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls] \
+            posts = [self.pool.submit(self.post, u, "/request_weight_update", body) for u in self.urls] \
                 if overlap else []
             t0 = time.perf_counter()
             try:
@@ -404,15 +353,15 @@ class WeightSyncClient:
                 self._shm.abandon()  # the servers following the segment give up now, not at their stall timeout
                 if posts and isinstance(e, Exception):
                     try:
-                        self._collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
+                        self.collect(posts, "request_weight_update", timeout_s=ABORT_ANSWER_S)
                     except WeightSyncError as answered:
                         log.warning("writing the segment of v%d failed; the servers answered: %s", version, answered)
                 raise
             self._shm.finish()
             self.last_write_s = time.perf_counter() - t0
             if not overlap:
-                posts = [self.pool.submit(self._post, u, "/request_weight_update", body) for u in self.urls]
-            answers = self._collect(posts, "request_weight_update")
+                posts = [self.pool.submit(self.post, u, "/request_weight_update", body) for u in self.urls]
+            answers = self.collect(posts, "request_weight_update")
         except BaseException:
             self._shm.discard()  # a server may still read the old file: never write it again
             raise
@@ -429,46 +378,12 @@ class WeightSyncClient:
             save_file({n: t for n, t in tensors}, tmp)
             os.replace(tmp, final)  # servers never see a half-written file
             body = {"version": version, "mode": mode, "path": final, **extra}
-            return self._collect([self.pool.submit(self._post, u, "/request_weight_update", body) for u in
+            return self.collect([self.pool.submit(self.post, u, "/request_weight_update", body) for u in
                                   self.urls], "request_weight_update")
         finally:
             for p in (tmp, final):
                 if os.path.exists(p):
                     os.remove(p)
-
-    # ---- HTTP -------------------------------------------------------------------------------------------------
-    def _post(self, url: str, path: str, body: dict, optional: bool = False) -> dict:
-        try:
-            r = self.http.post(url + path, json=body)
-        except httpx.TimeoutException as e:
-            raise WeightSyncError(f"server {url}: {path} timed out after {self.timeout_s:.0f}s") from e
-        except httpx.HTTPError as e:
-            raise WeightSyncError(f"server {url}: {path} failed: {e}") from e
-        if optional and r.status_code == 404:
-            return {}  # a backend without the optional dry-run endpoint
-        if r.status_code != 200:
-            try:
-                msg = r.json()["error"]["message"]
-            except Exception:
-                msg = r.text[:500]
-            raise ServerAnswered(f"server {url} rejected {path} (HTTP {r.status_code}): {msg}")
-        return r.json()
-
-    def _collect(self, futures: list[cf.Future], what: str, timeout_s: float | None = None) -> list[dict]:
-        """Every answer, or one WeightSyncError naming each failed server. With timeout_s, `futures` are the posts
-        to self.urls in order (a server that does not answer in time is named by its url)."""
-        errors, answers = [], []
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for url, f in zip(self.urls, futures):
-            try:
-                answers.append(f.result(None if deadline is None else max(0.0, deadline - time.monotonic())))
-            except cf.TimeoutError:
-                errors.append(f"server {url}: no answer to {what} within {timeout_s:.0f}s")
-            except Exception as e:
-                errors.append(str(e))
-        if errors:
-            raise WeightSyncError(f"{what}: " + " | ".join(errors))
-        return answers
 
     def close(self) -> None:
         if self._group_thread is not None:  # a set-up abandoned on a fast failure: no thread outlives the client
@@ -482,11 +397,11 @@ class WeightSyncClient:
             self._shm.discard()
 
 
-def cuda_device(device: str | torch.device | None) -> torch.device | None:
-    """The CUDA device the helper threads make current (None on CPU); "cuda" alone: the caller's current one."""
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+def check_config(cfg: Any) -> None:
+    """Every trainer setting works with the contract (adapter updates included)."""
+
+
+def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> WeightSyncClient:
+    t = cfg.trainer
+    return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir, shm_lend=t.shm_lend,
+                            bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)

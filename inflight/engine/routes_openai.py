@@ -1,0 +1,266 @@
+"""The OpenAI-compatible API of an inflight server (docs/inference-contract.md): /v1/chat/completions,
+/v1/completions and /v1/models, as a FastAPI router over any engine with the built-in engine's surface (the
+built-in `InferenceEngine`, the vLLM backend's `VLLMEngine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from inflight.engine import openai_api as oa
+from inflight.engine.guards import Admission
+from inflight.engine.http_errors import Auth, BadRequest
+from inflight.engine.request import Choice, Generation
+
+log = logging.getLogger("inflight.engine.server")
+
+
+class FastJSON(JSONResponse):
+    """Completions with per-token logprobs are mostly JSON encoding: orjson does it ~5x faster than json."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+class Releasing(StreamingResponse):
+    """A streaming response that frees its admission slot however the stream ends (even if never started)."""
+
+    def __init__(self, inner: StreamingResponse, release: Any):
+        super().__init__(inner.body_iterator, media_type=inner.media_type)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int | None = None,
+                  version_wait_s: float = 300.0) -> APIRouter:
+    """The OpenAI routes, every one behind `auth.key`. `admission` holds the queue limit (429); `max_n` caps a
+    request's `n` (default: the engine's batch); a `min_weight_version` not reached in `version_wait_s` is a 409."""
+    router = APIRouter(dependencies=[Depends(auth.key)])
+    limit_n = max_n or int(getattr(engine, "max_batch", 128))
+    tok_cache: dict[int, str] = {}
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def tok_str(tid: int) -> str:
+        s = tok_cache.get(tid)
+        if s is None:
+            s = tok_cache[tid] = engine.tokenizer.decode([tid])
+        return s
+
+    def check_model(name: str) -> None:
+        if name != engine.model_name:
+            raise BadRequest(f"model {name!r} does not exist; this server serves {engine.model_name!r}", "model",
+                             code="model_not_found")
+
+    def sampling(req: oa._Sampling, prompt_ids: list[int]) -> Any:
+        from inflight.engine.core import SamplingParams
+
+        ctx = engine.max_model_len
+        if len(prompt_ids) == 0:
+            raise BadRequest("the prompt is empty", "prompt")
+        if len(prompt_ids) >= ctx:
+            raise BadRequest(f"prompt has {len(prompt_ids)} tokens; the context is {ctx} tokens (prompt must be "
+                             f"shorter to leave room for at least one generated token)", "messages",
+                             code="context_length_exceeded")
+        max_new = req.max_new_tokens  # type: ignore[attr-defined]
+        if max_new is None:
+            max_new = ctx - len(prompt_ids)
+        elif len(prompt_ids) + max_new > ctx:
+            raise BadRequest(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new}) exceeds the context of "
+                             f"{ctx} tokens", "max_tokens", code="context_length_exceeded")
+        if req.n > limit_n:
+            raise BadRequest(f"n={req.n} is over this server's limit of {limit_n}", "n")
+        vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
+        bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids out of vocabulary: {bad[:5]}", "stop_token_ids")
+        if req.prompt_score_k is not None and not getattr(engine, "scores_prompts", False):
+            raise BadRequest("this engine does not compute prompt logprobs (echo, prompt_logprobs)", "echo")
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), max_tokens=max_new,
+            stop_token_ids=list(req.stop_token_ids), seed=req.seed, n=req.n,
+            top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,  # type: ignore[attr-defined]
+            priority=req.priority, prompt_logprobs=req.prompt_score_k,
+        )
+
+    @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
+    def render_chat(msgs: tuple[tuple[str, str], ...], add_generation_prompt: bool) -> tuple[int, ...]:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise BadRequest(f"model {engine.model_name!r} has no chat template, so chat messages cannot be rendered: "
+                             "use /v1/completions with a prompt, or serve a chat model (or add chat_template.jinja "
+                             "to the model folder)", "messages")
+        try:
+            ids = engine.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in msgs], add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=False)
+        except Exception as e:  # a template may raise on e.g. a role order it does not allow
+            raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return tuple(int(t) for t in ids)
+
+    def chat_prompt(req: oa.ChatCompletionRequest) -> list[int]:
+        try:
+            msgs = tuple((m.role, m.text()) for m in req.messages)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        return list(render_chat(msgs, req.add_generation_prompt))
+
+    def text_prompt(req: oa.CompletionRequest) -> list[int]:
+        p = req.single_prompt()
+        if isinstance(p, str):
+            try:
+                return list(engine.tokenizer.encode(p, add_special_tokens=False))
+            except Exception as e:  # e.g. lone surrogates that JSON allows but UTF-8 does not
+                raise BadRequest(f"the prompt could not be tokenized: {e}", "prompt") from e
+        vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}", "prompt")
+        return list(p)
+
+    def choice_body(kind: str, ch: Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
+                    delta: str | None = None, new: slice | None = None) -> dict[str, Any]:
+        sl = new or slice(0, len(ch.token_ids))
+        ids, lps = ch.token_ids[sl], ch.logprobs[sl]
+        lp = None
+        if want_lp:
+            toks = [tok_str(t) for t in ids]
+            tops = [[(tok_str(t), v) for t, v in row[:top_n]] for row in ch.tops[sl]] if top_n else None
+            lp = (oa.chat_logprobs if kind == "chat" else oa.completion_logprobs)(toks, lps, tops)
+        text = ch.text if delta is None else delta
+        body: dict[str, Any] = {"index": ch.index}
+        if kind == "chat":
+            if delta is None:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["delta"] = {"content": text} if text or ids else {}
+        else:
+            body["text"] = text
+        body.update(logprobs=lp, finish_reason=ch.finish_reason, token_ids=ids, token_versions=ch.versions[sl])
+        if delta is None or new is None or new.start == 0:
+            body["prompt_token_ids"] = prompt_ids
+        return body
+
+    async def run_full(kind: str, request: Request, gen: Generation, model: str, top_n: int, want_lp: bool,
+                       req: Any = None):
+        """Non-streaming: generate every choice; cancel when the client goes away."""
+
+        async def consume() -> None:
+            async for _ in gen.events():
+                pass
+
+        async def disconnected() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # client left: cancelling runs the generator's finally (engine.abort)
+                work.cancel()
+                await asyncio.wait({work})  # until the cancel has run: work.cancelled() is true only then
+        if work.cancelled():
+            log.info("client disconnected; request %s aborted", gen.rid)
+            return JSONResponse({}, 499)
+        work.result()
+        body = [choice_body(kind, ch, gen.prompt_ids, top_n, want_lp) for ch in gen.choices]
+        echo = getattr(req, "echo", False) and kind == "text"
+        if echo or gen.prompt_scores is not None:
+            text = req.single_prompt() if echo else None
+            text = engine.tokenizer.decode(text) if isinstance(text, list) else text
+            for b in body:
+                oa.prompt_fields(b, gen.prompt_scores, gen.prompt_ids, text, req, tok_str)
+        use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
+        return FastJSON(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
+
+    async def run_stream(kind: str, gen: Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+        """A request held for its weights waits here for its first event: a version that never comes is a 409, not
+        a stream that breaks off after its headers."""
+        rid = f"{kind}-{gen.rid}"
+
+        def sse(choices: list[dict], use: dict | None = None) -> bytes:
+            return b"data: " + orjson.dumps(oa.envelope(kind, rid, model, choices, use, chunk=True)) + b"\n\n"  # type: ignore[arg-type]
+
+        events = gen.events()
+        first = [await anext(events)] if gen.gate else []
+
+        async def choices() -> AsyncIterator[Choice]:
+            for ch in first:
+                yield ch
+            async for ch in events:
+                yield ch
+
+        async def body() -> AsyncIterator[bytes]:
+            if kind == "chat":  # OpenAI's first chunk announces the role
+                yield sse([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for c in gen.choices])
+            done_tokens = [0] * len(gen.choices)
+            async for ch in choices():
+                new = slice(done_tokens[ch.index], len(ch.token_ids))
+                delta = gen.stream_delta(ch)
+                if new.start == new.stop and not delta and ch.finish_reason is None:
+                    continue
+                done_tokens[ch.index] = new.stop
+                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new)])
+            if include_usage:
+                use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
+                yield sse([], use)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
+        check_model(req.model)
+        prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
+        params = sampling(req, prompt_ids)
+        want_lp = req.logprobs is not None and req.logprobs is not False
+        release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
+        try:
+            # a request for weights not here yet is held by the engine (a version that never comes must not hold a
+            # connection and a queue place forever: 409 after version_wait_s)
+            min_version = req.min_weight_version or 0
+            gen = Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream,
+                              min_version=min_version if min_version > engine.version else 0,
+                              version_wait_s=version_wait_s)
+            if req.stream:
+                inc = bool(req.stream_options and req.stream_options.include_usage)
+                stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
+                return Releasing(stream, release)
+            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp, req)
+        finally:
+            if not req.stream:
+                release()
+
+    # ---- OpenAI API -------------------------------------------------------------------------------------------
+    @router.post("/v1/chat/completions")
+    async def chat_completions(req: oa.ChatCompletionRequest, request: Request):
+        return await complete("chat", request, req)
+
+    @router.post("/v1/completions")
+    async def completions(req: oa.CompletionRequest, request: Request):
+        return await complete("text", request, req)
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "inflight", "max_model_len": engine.max_model_len,
+                                            "version": engine.version}]}
+
+    return router
