@@ -20,6 +20,7 @@ from inflight.engine import openai_api as oa
 from inflight.engine.core import VersionNotReached
 from inflight.engine.guards import Admission, BodyLimit, QueueFull, check_master_address
 from inflight.engine.request import Choice, Generation
+from inflight.engine.ipc_receiver import ipc_local_only  # cuda_ipc: handles from this host only
 from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
 from inflight.heap import freeze_startup_objects
 
@@ -370,7 +371,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
         except Exception as e:  # rendezvous failed (timeout, unreachable store)
             raise BadRequest(f"could not join the process group: {e}", status=500) from e
 
-    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits)])
+    @app.post("/request_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits),
+                                                     Depends(ipc_local_only)])
     async def request_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         try:
             return await receiver.update(req)
@@ -378,7 +380,8 @@ def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: b
             log.warning("weight update v%d rejected: %s", req.version, e)
             raise BadRequest(str(e), status=e.status) from e
 
-    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits)])
+    @app.post("/check_weight_update", dependencies=[Depends(auth), Depends(admin), Depends(update_limits),
+                                                     Depends(ipc_local_only)])
     async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         """Optional dry run: the same checks as /request_weight_update, nothing received or changed."""
         try:
