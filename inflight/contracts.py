@@ -77,6 +77,7 @@ class IpcBuffer(_Strict):
     kind: Literal["cuda", "cpu"]
     bytes: int = Field(gt=0, le=2**44, description="header + data: the part of the storage the update uses")
     device: int = Field(default=-1, ge=-1, description="CUDA device index (in the server's numbering); -1 for cpu")
+    device_uuid: str | None = Field(default=None, max_length=64)  # cuda: the GPU's UUID (the same physical device)
     path: str | None = None  # cpu
     handle: str | None = None  # cuda: base64 cudaIpcMemHandle of the allocation
     storage_bytes: int = Field(default=0, ge=0)  # cuda: size of the shared storage

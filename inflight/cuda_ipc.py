@@ -84,15 +84,21 @@ def export_buffer(buf: torch.Tensor, path: str | None = None) -> dict[str, Any]:
     (device, handle, size, offset, ref_handle, ref_offset, event, sync) = storage._share_cuda_()
     if buf.storage_offset() != 0:
         raise IpcError("the ipc buffer must start at its storage")
-    return {"kind": "cuda", "bytes": nbytes, "device": int(device), "handle": _b64(handle),
+    return {"kind": "cuda", "bytes": nbytes, "device": int(device), "device_uuid": gpu_uuid(int(device)),
+            "handle": _b64(handle),
             "storage_bytes": int(size), "storage_offset_bytes": int(offset), "ref_counter_handle": _b64(ref_handle),
             "ref_counter_offset": int(ref_offset), "event_handle": _b64(event or b""),
             "event_sync_required": bool(sync)}
 
 
-def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device) -> None:
+def gpu_uuid(index: int) -> str:
+    """The UUID of a CUDA device: the same physical GPU whatever each process's CUDA_VISIBLE_DEVICES numbering."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device, device_uuid: str | None = None) -> None:
     """Raise IpcError naming the problem unless `ipc` is a buffer of the announced size on this server's device
-    with well-formed handle fields. Opens nothing."""
+    with well-formed handle fields. Opens nothing. `device_uuid`: this server's GPU (default: looked up)."""
     want = IPC_HEADER_BYTES + data_bytes
     if ipc.bytes != want:
         raise IpcError(f"ipc buffer of {ipc.bytes} bytes, the announced tensors need header {IPC_HEADER_BYTES} + "
@@ -115,9 +121,11 @@ def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device) -> None:
     if device.type != "cuda":
         raise IpcError("a cuda ipc buffer for a server on the CPU: cuda_ipc needs the server on the trainer's GPU")
     own = device.index if device.index is not None else torch.cuda.current_device()
-    if ipc.device != own:
-        raise IpcError(f"ipc buffer on cuda:{ipc.device}, this server is on cuda:{own}: cuda_ipc needs the trainer "
-                       "and the server on one GPU (use trainer.weight_transport=process_group)")
+    own_uuid = device_uuid if device_uuid is not None else gpu_uuid(own)
+    if ipc.device != own or ipc.device_uuid != own_uuid:
+        raise IpcError(f"ipc buffer on cuda:{ipc.device} (GPU {ipc.device_uuid}), this server is on cuda:{own} "
+                       f"(GPU {own_uuid}): cuda_ipc needs the trainer and the server on one GPU (use "
+                       "trainer.weight_transport=process_group)")
     _unb64("handle", ipc.handle)
     ref = _unb64("ref_counter_handle", ipc.ref_counter_handle)
     if not _REF_NAME.match(ref):
@@ -125,9 +133,9 @@ def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device) -> None:
     event = _unb64("event_handle", ipc.event_handle, allow_empty=True)
     if ipc.event_sync_required and not event:
         raise IpcError("ipc handle: event_sync_required without an event_handle")
-    if ipc.storage_offset_bytes + ipc.bytes > ipc.storage_bytes:
-        raise IpcError(f"ipc handle: storage of {ipc.storage_bytes} bytes at offset {ipc.storage_offset_bytes} "
-                       f"cannot hold the buffer's {ipc.bytes} bytes")
+    if ipc.bytes > ipc.storage_bytes:  # the buffer starts at the storage (export_buffer)
+        raise IpcError(f"ipc handle: a storage of {ipc.storage_bytes} bytes cannot hold the buffer's {ipc.bytes} "
+                       "bytes")
 
 
 def open_buffer(ipc: IpcBuffer) -> torch.Tensor:

@@ -7,6 +7,7 @@ were."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 
 import httpx
@@ -24,6 +25,7 @@ from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
 
 torch.set_num_threads(1)
 CUDA = torch.device("cuda", 0)
+GPU = "GPU-0b1f3e55-6d0a-4c2e-9a51-3f2d7c8e9a10"  # the server's GPU in the handle-field tests
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def test_a_cpu_handle_round_trips():
 
 
 def cuda_fields(**over) -> IpcBuffer:
-    fields = {"kind": "cuda", "bytes": IPC_HEADER_BYTES + 1024, "device": 0,
+    fields = {"kind": "cuda", "bytes": IPC_HEADER_BYTES + 1024, "device": 0, "device_uuid": GPU,
               "handle": base64.b64encode(bytes(range(64))).decode(), "storage_bytes": 1 << 20,
               "storage_offset_bytes": 0, "ref_counter_handle": base64.b64encode(b"/torch_123_456_0").decode(),
               "ref_counter_offset": 0, "event_handle": base64.b64encode(bytes(64)).decode(),
@@ -152,19 +154,20 @@ def cuda_fields(**over) -> IpcBuffer:
 
 @pytest.mark.parametrize("over, match", [
     ({"device": 1}, "this server is on cuda:0"),
+    ({"device_uuid": "GPU-11111111-2222-3333-4444-555555555555"}, "on one GPU"),  # same index, other GPU
+    ({"device_uuid": None}, "on one GPU"),
     ({"handle": "not base64!"}, "handle is not base64"),
     ({"handle": None}, "handle is missing"),
     ({"handle": base64.b64encode(bytes(4096)).decode()}, "longer than"),
     ({"ref_counter_handle": base64.b64encode(b"../../etc/passwd").decode()}, "not a shared-memory name"),
     ({"event_handle": "", "event_sync_required": True}, "without an event_handle"),
     ({"storage_bytes": 1000}, "cannot hold the buffer"),
-    ({"storage_offset_bytes": (1 << 20) - 100}, "cannot hold the buffer"),
     ({"bytes": 1024}, "the announced tensors need header"),
 ])
 def test_tampered_cuda_handle_fields_are_refused(over, match):
-    check_handle(cuda_fields(), 1024, CUDA)  # the untampered fields pass (nothing is opened)
+    check_handle(cuda_fields(), 1024, CUDA, GPU)  # the untampered fields pass (nothing is opened)
     with pytest.raises(IpcError, match=match):
-        check_handle(cuda_fields(**over), 1024, CUDA)
+        check_handle(cuda_fields(**over), 1024, CUDA, GPU)
 
 
 def test_the_contract_takes_ipc_with_params_only():
@@ -205,7 +208,9 @@ def test_real_cuda_ipc_on_one_gpu(tiny_model_dir, hf):
         try:
             new = perturbed(hf, seed=21)
             c.push({n: t.to(CUDA) for n, t in new.items()}.items(), version=1)
-            assert c._ipc.handle["kind"] == "cuda" and c._ipc.buf.device.type == "cuda"
+            handle = c._ipc.handle
+            assert handle["kind"] == "cuda" and c._ipc.buf.device.type == "cuda"
+            check_handle(IpcBuffer(**json.loads(json.dumps(handle))), c._ipc.layout[2], CUDA)  # JSON round trip
             check_matches(hf, new, chat(s.url, temperature=1.0), 1.0)
             ref = fingerprint(s.url)
             poisoned = {n: t.to(CUDA) for n, t in perturbed(hf, seed=22).items()}
