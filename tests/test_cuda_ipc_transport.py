@@ -21,7 +21,7 @@ from inflight.contracts import IpcBuffer, WeightUpdateRequest
 from inflight.cuda_ipc import IPC_HEADER_BYTES, IpcError, IpcWriter, check_handle, open_buffer
 from inflight.engine.ipc_receiver import ipc_local_only
 from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
-from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed
+from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed, reference_logprobs, server_logprobs
 
 torch.set_num_threads(1)
 CUDA = torch.device("cuda", 0)
@@ -198,28 +198,58 @@ def test_ipc_updates_come_from_this_host_only():
     assert local.post("/request_weight_update", json=body).status_code == 200
 
 
+def matches_on_gpu(hf, weights: dict, choice: dict, temp: float, tol: float = 2e-3) -> None:
+    """The server's logprobs against the float64 softmax of a CPU transformers forward (GPU kernels round
+    differently from the CPU's: a looser bound than check_matches)."""
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    ref = reference_logprobs(hf, weights, ids, len(choice["prompt_token_ids"]), temp)
+    got = server_logprobs(choice)
+    assert len(got) == len(ref) > 0
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < tol, (got, ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_cuda_ipc_on_one_gpu(tiny_model_dir, hf):
+    """The real path: the server (inheriting this process's CUDA_VISIBLE_DEVICES) on cuda:0, the trainer's buffer on
+    cuda:0, handles opened by the server."""
     from inflight.engine.serve import ServerProcess
 
-    args = ["--max-model-len", "512", "--no-prefix-reuse", "--device", "cuda"]
-    with ServerProcess(str(tiny_model_dir), extra_args=args, env={"CUDA_VISIBLE_DEVICES": "0"}) as s:
+    def gpu(weights: dict) -> list:
+        return [(n, t.to(CUDA)) for n, t in weights.items()]
+
+    args = ["--max-model-len", "512", "--no-prefix-reuse", "--device", "cuda", "--dtype", "float32"]
+    with ServerProcess(str(tiny_model_dir), extra_args=args) as s:
         c = WeightSyncClient([s.url], transport="cuda_ipc", timeout_s=120, device="cuda:0")
         try:
             new = perturbed(hf, seed=21)
-            c.push({n: t.to(CUDA) for n, t in new.items()}.items(), version=1)
+            c.push(gpu(new), version=1)
             handle = c._ipc.handle
             assert handle["kind"] == "cuda" and c._ipc.buf.device.type == "cuda"
             check_handle(IpcBuffer(**json.loads(json.dumps(handle))), c._ipc.layout[2], CUDA)  # JSON round trip
-            check_matches(hf, new, chat(s.url, temperature=1.0), 1.0)
+            matches_on_gpu(hf, new, chat(s.url, temperature=1.0), 1.0)
             ref = fingerprint(s.url)
-            poisoned = {n: t.to(CUDA) for n, t in perturbed(hf, seed=22).items()}
+            poisoned = dict(gpu(perturbed(hf, seed=22)))
             next(iter(poisoned.values())).view(-1)[0] = float("nan")
             with pytest.raises(WeightSyncError, match="NaN or Inf"):
                 c.push(poisoned.items(), version=2)
             assert fingerprint(s.url) == ref and version_of(s.url) == 1
             newer = perturbed(hf, seed=23)
-            c.push({n: t.to(CUDA) for n, t in newer.items()}.items(), version=3)
-            check_matches(hf, newer, chat(s.url, temperature=1.0), 1.0)
+            c.push(gpu(newer), version=3)
+            handle = dict(c._ipc.handle)
+            matches_on_gpu(hf, newer, chat(s.url, temperature=1.0), 1.0)
+            newest = perturbed(hf, seed=24)
+            c.push(gpu(newest), version=4)
+            assert c._ipc.handle == handle  # one buffer, exported once, written again
+            matches_on_gpu(hf, newest, chat(s.url, temperature=1.0), 1.0)
+            ref = fingerprint(s.url)
+            params = [{"name": n, "shape": list(t.shape), "dtype": "float32"} for n, t in newest.items()]
+            for bad, match in [({"handle": base64.b64encode(os.urandom(64)).decode()}, "cannot open the ipc handle"),
+                               ({"device": 1}, "on one GPU"), ({"device_uuid": "GPU-other"}, "on one GPU")]:
+                r = httpx.post(s.url + "/request_weight_update", timeout=60,
+                               json={"version": 5, "params": params, "ipc": {**handle, **bad}})
+                assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+            assert fingerprint(s.url) == ref and version_of(s.url) == 4  # still serving v4
+            c.push(gpu(newer), version=5)  # the server opens the buffer again after the refusals
+            matches_on_gpu(hf, newer, chat(s.url, temperature=1.0), 1.0)
         finally:
             c.close()
