@@ -41,6 +41,7 @@ from inflight.shm_weights import TORCH_DTYPES, _map_owned, tensor_at
 IPC_MAGIC = b"INFLWIPC"
 IPC_HEADER_BYTES = 256  # the data starts 256-byte aligned (shm_layout aligns each tensor to 64)
 _HEADER = struct.Struct("<8sqQ32s")  # magic, version, data bytes, digest
+_EVENT_BYTES = 64  # a cudaIpcEventHandle_t
 _MAX_HANDLE = 1024  # bytes of any decoded handle field (a cudaIpcMemHandle is 64)
 _REF_NAME = re.compile(rb"^/?[A-Za-z0-9_.\-]{1,255}$")  # the producer's ref-counter file: a plain shm name
 
@@ -131,8 +132,9 @@ def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device, device_u
     if not _REF_NAME.match(ref):
         raise IpcError("ipc handle: ref_counter_handle is not a shared-memory name")
     event = _unb64("event_handle", ipc.event_handle, allow_empty=True)
-    if ipc.event_sync_required and not event:
-        raise IpcError("ipc handle: event_sync_required without an event_handle")
+    if ipc.event_sync_required and len(event) != _EVENT_BYTES:
+        raise IpcError(f"ipc handle: event_sync_required needs an event_handle of {_EVENT_BYTES} bytes "
+                       f"(got {len(event)})")
     if ipc.bytes > ipc.storage_bytes:  # the buffer starts at the storage (export_buffer)
         raise IpcError(f"ipc handle: a storage of {ipc.storage_bytes} bytes cannot hold the buffer's {ipc.bytes} "
                        "bytes")
@@ -147,8 +149,8 @@ def open_buffer(ipc: IpcBuffer) -> torch.Tensor:
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             ipc.device, _unb64("handle", ipc.handle), ipc.storage_bytes, ipc.storage_offset_bytes,
-            _unb64("ref_counter_handle", ipc.ref_counter_handle), ipc.ref_counter_offset, event or None,
-            ipc.event_sync_required)
+            _unb64("ref_counter_handle", ipc.ref_counter_handle), ipc.ref_counter_offset, event,
+            ipc.event_sync_required)  # torch takes the event handle as bytes, read only when sync is required
     except RuntimeError as e:
         raise IpcError(f"cannot open the ipc handle on cuda:{ipc.device}: {str(e).splitlines()[0][:200]}") from None
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", ipc.device)).set_(storage)

@@ -160,7 +160,8 @@ def cuda_fields(**over) -> IpcBuffer:
     ({"handle": None}, "handle is missing"),
     ({"handle": base64.b64encode(bytes(4096)).decode()}, "longer than"),
     ({"ref_counter_handle": base64.b64encode(b"../../etc/passwd").decode()}, "not a shared-memory name"),
-    ({"event_handle": "", "event_sync_required": True}, "without an event_handle"),
+    ({"event_handle": "", "event_sync_required": True}, "needs an event_handle of 64 bytes"),
+    ({"event_handle": base64.b64encode(bytes(63)).decode()}, "needs an event_handle of 64 bytes"),
     ({"storage_bytes": 1000}, "cannot hold the buffer"),
     ({"bytes": 1024}, "the announced tensors need header"),
 ])
