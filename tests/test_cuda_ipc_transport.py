@@ -86,8 +86,7 @@ def test_bad_updates_are_refused_and_change_nothing(server, hf, ipc, tmp_path):
 
     # the buffer holds v5: an announcement of v6 over it is not what the bytes are
     refused(body, "holds weight version 5, the update announces 6")
-    refused({**body, "version": 5}, "duplicate version", 409)
-    refused({**body, "version": 4}, "stale version", 409)
+    refused({**body, "version": 4}, "stale version", 409)  # token_versions may never go back
     with open(ipc._ipc.path, "r+b") as f:  # the header of a v6 (a trainer writes the tensors first)
         f.seek(8)
         f.write((6).to_bytes(8, "little"))
@@ -118,13 +117,40 @@ def test_bad_updates_are_refused_and_change_nothing(server, hf, ipc, tmp_path):
         ipc.push(poisoned.items(), version=7)
     assert fingerprint(url) == ref and version_of(url) == 5  # the old weights and version, still served
     assert ipc._ipc.path is None  # a failed push: the next one writes a new buffer
-    with pytest.raises(WeightSyncError, match="duplicate version"):
-        ipc.push(good.items(), version=5)
-    assert fingerprint(url) == ref
+    with pytest.raises(WeightSyncError, match="stale version"):
+        ipc.push(good.items(), version=4)
+    ipc.push(perturbed(hf, seed=9).items(), version=5)  # the version it holds: answered, nothing copied
+    assert fingerprint(url) == ref and version_of(url) == 5
     newer = perturbed(hf, seed=8)
     ipc.push(newer.items(), version=8)
     assert version_of(url) == 8
     check_matches(hf, newer, chat(url, temperature=1.0), 1.0)
+
+
+def test_a_retry_reaches_the_server_that_missed_it(server, hf, tiny_model_dir):
+    """One server applied v20, the other did not: the retry of v20 to both is answered by both, copied only by the
+    one that missed it (a version names one set of weights), and both serve v20."""
+    from inflight.engine.serve import ServerProcess
+
+    args = ["--max-model-len", "512", "--no-prefix-reuse"]
+    with ServerProcess(str(tiny_model_dir), extra_args=args, env={"OMP_NUM_THREADS": "1"}) as other:
+        v20 = perturbed(hf, seed=20)
+        one = WeightSyncClient([server.url], transport="cuda_ipc", timeout_s=60)
+        both = WeightSyncClient([server.url, other.url], transport="cuda_ipc", timeout_s=60)
+        try:
+            one.push(v20.items(), version=20)
+            assert version_of(server.url) == 20 and version_of(other.url) == 0
+            body = {"version": 20, "params": [{"name": n, "shape": list(t.shape), "dtype": "float32"}
+                                              for n, t in v20.items()], "ipc": one._ipc.handle}
+            r = httpx.post(server.url + "/request_weight_update", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["applied"] is False
+            both.push(v20.items(), version=20)
+            for url in (server.url, other.url):
+                assert version_of(url) == 20
+                check_matches(hf, v20, chat(url, temperature=1.0), 1.0)
+        finally:
+            one.close()
+            both.close()
 
 
 def test_a_cpu_handle_round_trips():

@@ -3,8 +3,10 @@ and hand the weight receiver views of the announced tensors in the trainer's buf
 
 Refused before anything changes (docs/inference-contract.md, "Same-device updates"): a handle from another device
 or host, malformed handle fields, a buffer whose size is not the announced layout's, a header that does not say
-the announced version of the announced tensors (400), and a version not newer than the one served (409: stale or
-duplicate). The NaN/Inf check then runs on the device, on the trainer's bytes, before the pause copies them in.
+the announced version of the announced tensors (400), and a version older than the one served (409: stale).
+The version the server holds already is answered 200 with `applied: false` and nothing copied: a version names
+one set of weights, and a trainer retries an update that some servers applied and others did not. The NaN/Inf
+check then runs on the device, on the trainer's bytes, before the pause copies them in.
 """
 
 from __future__ import annotations
@@ -37,10 +39,9 @@ class IpcReceiver:
     def validate(self, req: WeightUpdateRequest, served_version: int) -> None:
         """Everything that can be checked without opening the handle (IpcError)."""
         assert req.ipc is not None and req.params is not None
-        if req.version <= served_version:
-            what = "duplicate" if req.version == served_version else "stale"
-            raise IpcError(f"{what} version: the update announces v{req.version}, this server holds "
-                           f"v{served_version}; an ipc update must be newer", status=409)
+        if req.version < served_version:  # token_versions never decrease (the contract's ordering)
+            raise IpcError(f"stale version: the update announces v{req.version}, this server holds "
+                           f"v{served_version}; an ipc update may not go back", status=409)
         _, data_bytes = shm_layout(req.params)
         check_handle(req.ipc, data_bytes, self.device)
 

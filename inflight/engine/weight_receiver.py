@@ -231,6 +231,9 @@ class WeightReceiver:
         if self._lock.locked():
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
+            if req.ipc is not None and req.version == self.engine.version:  # a retry of what we hold (cuda_ipc.py)
+                log.info("weight update v%d: already held, nothing copied", req.version)
+                return {"version": req.version, "pause_s": 0.0, "applied": False}
             t0 = time.perf_counter()
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
