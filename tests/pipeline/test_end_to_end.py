@@ -202,4 +202,6 @@ def test_pipelined_run_over_the_same_device_transport(tiny_model_dir, tmp_path):
     check_common(tmp_path / "ipc", 4)
     pushes = records(tmp_path / "ipc", "weight_push")
     assert [r["step"] for r in pushes] == list(range(1, 5)) and all(r["push_s"] > 0 for r in pushes)
-    assert "ipc" in (tmp_path / "ipc" / "logs" / "server1.log").read_text()  # the servers applied it from the buffer
+    for k in (0, 1):  # each server applied every update from the trainer's buffer
+        log = (tmp_path / "ipc" / "logs" / f"server{k}.log").read_text()
+        assert all(f"weight update v{v}: ipc, full" in log for v in range(1, 5)), log[-2000:]
