@@ -81,10 +81,9 @@ def export_buffer(buf: torch.Tensor, path: str | None = None) -> dict[str, Any]:
     if buf.device.type == "cpu":
         assert path is not None
         return {"kind": "cpu", "bytes": nbytes, "path": path}
-    storage = buf.untyped_storage()
-    (device, handle, size, offset, ref_handle, ref_offset, event, sync) = storage._share_cuda_()
     if buf.storage_offset() != 0:
         raise IpcError("the ipc buffer must start at its storage")
+    (device, handle, size, offset, ref_handle, ref_offset, event, sync) = buf.untyped_storage()._share_cuda_()
     return {"kind": "cuda", "bytes": nbytes, "device": int(device), "device_uuid": gpu_uuid(int(device)),
             "handle": _b64(handle),
             "storage_bytes": int(size), "storage_offset_bytes": int(offset), "ref_counter_handle": _b64(ref_handle),

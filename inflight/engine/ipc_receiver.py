@@ -25,7 +25,7 @@ from inflight.cuda_ipc import IpcError, check_handle, check_header, open_buffer,
 from inflight.shm_weights import announcement_digest
 
 log = logging.getLogger("inflight.engine.weights")
-LOCAL_ONLY = {"127.0.0.1", "::1", "localhost", "testclient"}
+LOCAL_ONLY = {"127.0.0.1", "::1", "localhost", "testclient"}  # server.LOCAL_HOSTS (server.py imports this module)
 
 
 class IpcReceiver:
