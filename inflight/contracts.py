@@ -66,6 +66,28 @@ class ShmSegment(_Strict):
     lend: bool = False
 
 
+class IpcBuffer(_Strict):
+    """The trainer's flat update buffer, shared by handle with servers on its own device (transport `cuda_ipc`,
+    inflight/cuda_ipc.py): IPC_HEADER_BYTES of header (magic, weight version, digest of the announcement), then the
+    tensors of `params` at the offsets of `shm_layout`. The trainer exports it once and copies each update into it;
+    the server opens it once and copies from it. Plain fields only: nothing is unpickled. `kind` "cuda": the
+    fields of `torch.UntypedStorage._share_cuda_()` (binary ones base64); "cpu": the CPU stand-in, a shared-memory
+    file at `path`."""
+
+    kind: Literal["cuda", "cpu"]
+    bytes: int = Field(gt=0, le=2**44, description="header + data: the part of the storage the update uses")
+    device: int = Field(default=-1, ge=-1, description="CUDA device index (in the server's numbering); -1 for cpu")
+    device_uuid: str | None = Field(default=None, max_length=64)  # cuda: the GPU's UUID (the same physical device)
+    path: str | None = None  # cpu
+    handle: str | None = None  # cuda: base64 cudaIpcMemHandle of the allocation
+    storage_bytes: int = Field(default=0, ge=0)  # cuda: size of the shared storage
+    storage_offset_bytes: int = Field(default=0, ge=0)  # cuda: where the storage starts in the allocation
+    ref_counter_handle: str | None = None  # cuda: base64 name of the producer's reference-count file
+    ref_counter_offset: int = Field(default=0, ge=0)
+    event_handle: str | None = None  # cuda: base64 cudaIpcEventHandle (empty when no sync is required)
+    event_sync_required: bool = False
+
+
 class AdapterSpec(_Strict):
     """A LoRA adapter update (docs/inference-contract.md, "Adapter updates"): every announced tensor is
     `<base>.lora_A` [rank, in] or `<base>.lora_B` [out, rank], where `<base>` names a 2-D parameter [out, in] of
@@ -122,6 +144,7 @@ class WeightUpdateRequest(_Strict):
     params: list[ParamInfo] | None = None
     path: str | None = None
     shm: ShmSegment | None = None
+    ipc: IpcBuffer | None = None  # the trainer's device buffer (same device): transport cuda_ipc
     mode: UpdateMode = "keep"
     bucket_bytes: int = Field(default=0, ge=0, le=2**40, description=(
         "0: one broadcast per tensor; > 0: tensors packed into flat byte buffers of at most this size (bucket_layout)"))
@@ -136,6 +159,9 @@ class WeightUpdateRequest(_Strict):
                              "(safetensors file)")
         if self.shm is not None and self.params is None:
             raise ValueError("'shm' needs 'params' (the tensors the segment holds, in order)")
+        if self.ipc is not None and (self.params is None or self.shm is not None or self.bucket_bytes):
+            raise ValueError("'ipc' needs 'params' (the tensors the buffer holds, in order), without 'shm' or "
+                             "'bucket_bytes' (the buffer has the layout of shm_layout)")
         if self.shm is not None and self.bucket_bytes:
             raise ValueError("'bucket_bytes' is for broadcasts; an 'shm' segment has its own layout (shm_layout)")
         if self.params is not None:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from inflight.contracts import InitProcessGroupRequest, WeightUpdateRequest
 from inflight.engine.guards import check_master_address
 from inflight.engine.http_errors import Auth, BadRequest
+from inflight.engine.ipc_receiver import ipc_local_only  # cuda_ipc: handles from this host only
 from inflight.engine.weight_receiver import WeightUpdateError
 
 log = logging.getLogger("inflight.engine.server")
@@ -60,7 +61,7 @@ def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, check_addre
         except Exception as e:  # rendezvous failed (timeout, unreachable store)
             raise BadRequest(f"could not join the process group: {e}", status=500) from e
 
-    @router.post("/request_weight_update", dependencies=[Depends(update_limits)])
+    @router.post("/request_weight_update", dependencies=[Depends(update_limits), Depends(ipc_local_only)])
     async def request_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         try:
             return await receiver.update(req)
@@ -71,7 +72,7 @@ def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, check_addre
             log.exception("weight update v%d failed", req.version)
             raise BadRequest(f"weight update failed: {e}", status=500) from e
 
-    @router.post("/check_weight_update", dependencies=[Depends(update_limits)])
+    @router.post("/check_weight_update", dependencies=[Depends(update_limits), Depends(ipc_local_only)])
     async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
         """Optional dry run: the same checks as /request_weight_update, nothing received or changed."""
         try:

@@ -42,6 +42,8 @@ import torch
 from inflight.contracts import (LORA_SUFFIXES, AdapterSpec, InitProcessGroupRequest, ParamInfo, WeightUpdateRequest,
                                 adapter_pairs, bucket_layout, packed_bytes, shm_layout)
 from inflight.engine.adapter_merge import AdapterState, bases_of
+from inflight.engine.ipc_receiver import IpcReceiver
+from inflight.cuda_ipc import IpcError
 from inflight.finite import nonfinite
 from inflight.shm_weights import (SegmentWatch, ShmError, ShmMapping, announcement_digest, check_segment,
                                   wait_complete)
@@ -175,6 +177,7 @@ class WeightReceiver:
         self._lock = asyncio.Lock()  # one update (or join) at a time
         self._superseded: asyncio.Event | None = None  # set by a join while an update is receiving
         self._shm = ShmMapping()  # the trainer's segment, mapped once while it reuses it
+        self.ipc = IpcReceiver(device)  # the trainer's device buffer (cuda_ipc), opened once while it keeps it
         self.adapters = AdapterState()  # W0 of adapted weights, the adapter being served (adapter_merge.py)
         self.updates = 0
         self.last_update: dict[str, Any] = {}
@@ -199,11 +202,20 @@ class WeightReceiver:
     # ---- updates ----------------------------------------------------------------------------------------------
     def validate(self, req: WeightUpdateRequest) -> None:
         if req.params is not None:
-            if self.group is None and req.shm is None:
+            if self.group is None and req.shm is None and req.ipc is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
             self._receive_specs(req)
             if req.shm is not None:
                 check_shm(req)
+            if req.ipc is not None:
+                self._ipc(self.ipc.validate, req)
+
+    def _ipc(self, fn, req: WeightUpdateRequest) -> Any:
+        try:
+            return fn(req, self.engine.version)
+        except IpcError as e:
+            raise WeightUpdateError(f"weight update rejected: {e}; nothing applied, weights stay at "
+                                    f"v{self.engine.version}", status=e.status) from None
 
     def _receive_specs(self, req: WeightUpdateRequest) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Check the announced tensors (400 naming every problem); their {name: (shape, dtype)} to receive."""
@@ -219,10 +231,15 @@ class WeightReceiver:
         if self._lock.locked():
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
+            if req.ipc is not None and req.version == self.engine.version:  # a retry of what we hold (cuda_ipc.py)
+                log.info("weight update v%d: already held, nothing copied", req.version)
+                return {"version": req.version, "pause_s": 0.0, "applied": False}
             t0 = time.perf_counter()
             if req.path is not None:
                 tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
                 check_tensors(tensors, self.engine.param_specs(), self.aliases, req.adapter)
+            elif req.ipc is not None:  # views of the trainer's device buffer: copied in, in place, in the pause
+                tensors = await asyncio.to_thread(self._ipc, self.ipc.tensors, req)
             elif req.shm is not None:  # views of the segment (maybe still being written): copied in from there
                 tensors, watch = await asyncio.to_thread(self._map_shm, req)
             else:  # received while the engine keeps generating (on the old weights); it pauses only to apply
@@ -269,13 +286,15 @@ class WeightReceiver:
             started, asked = [0.0], time.perf_counter()
             prepare_s = asked - t0 - read_s
             pause_s = await self.engine.run_paused(apply)
+            if req.ipc is not None:
+                await asyncio.to_thread(self.ipc.done)  # the trainer may write its buffer once we answered
         self.updates += 1
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
                             "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0,
                             "staged": 0 if adapter else len(prepared),
                             "lent": sum(1 for _, _, lent in prepared if lent)}  # prepare_swap never lends
-        transport = "file" if req.path else "shm" if req.shm else "broadcast"
+        transport = "file" if req.path else "shm" if req.shm else "ipc" if req.ipc else "broadcast"
         lent = self.last_update["lent"]
         what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
                 f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged ({lent} read in place "

@@ -20,6 +20,7 @@ from inflight.config import save_config
 from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
+from inflight.pipeline.transport_check import check_weight_transport
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"server.python '{cfg.server.python}' does not exist (the python of vLLM's environment)")
     if p.restart_servers and (not backends.get(cfg.server.engine).restartable or p.server_urls):
         raise ValueError("pipeline.restart_servers needs launcher-started built-in servers (server.engine=builtin)")
+    check_weight_transport(cfg)
     check_lora_run(cfg)
     check_ranks(cfg)
     warn_oversubscribed(cfg)

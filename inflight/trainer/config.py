@@ -43,7 +43,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096  # sequence-packing token budget of one micro-batch
     threads: int = 0  # torch threads (0 = torch's default)
-    weight_transport: str = "process_group"  # process_group (any hosts) | shm | file (trainer and servers on one host)
+    weight_transport: str = "process_group"  # process_group (any hosts) | shm | file (trainer and servers on one host) | cuda_ipc (servers on the trainer's device)
     weight_backend: str = "auto"  # process_group: nccl | gloo | auto (nccl on a CUDA trainer, else gloo)
     weight_bucket_mb: float = 16.0  # process_group: small tensors packed into one broadcast per bucket (0 = per tensor)
     shm_dir: str = "/dev/shm"  # shm and file transports: a memory file system all servers of the host can read

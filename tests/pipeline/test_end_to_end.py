@@ -191,3 +191,17 @@ def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks):
     assert [r["step"] for r in records(tmp_path / "fsdp", "weight_push")] == [1, 2, 3, 4, 5]
     for k in (0, 1):
         assert [r["weight_version"] for r in records(tmp_path / "fsdp", "server_metrics") if r["server"] == k][-1] == 5
+
+
+def test_pipelined_run_over_the_same_device_transport(tiny_model_dir, tmp_path):
+    """trainer.weight_transport=cuda_ipc through `inflight train`: on CPU its stand-in, a shared-memory buffer that
+    the trainer writes and both servers copy from."""
+    res = run_train(overrides(tiny_model_dir, tmp_path, "ipc", "trainer.weight_transport=cuda_ipc",
+                              "pipeline.max_steps=4"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    check_common(tmp_path / "ipc", 4)
+    pushes = records(tmp_path / "ipc", "weight_push")
+    assert [r["step"] for r in pushes] == list(range(1, 5)) and all(r["push_s"] > 0 for r in pushes)
+    for k in (0, 1):  # each server applied every update from the trainer's buffer
+        log = (tmp_path / "ipc" / "logs" / f"server{k}.log").read_text()
+        assert all(f"weight update v{v}: ipc, full" in log for v in range(1, 5)), log[-2000:]

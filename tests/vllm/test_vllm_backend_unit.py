@@ -113,3 +113,12 @@ def test_arguments():
     for bad in ("0.31.9", "0.34.0", "1.0.0"):
         with pytest.raises(SystemExit, match="not supported"):
             check_vllm_version(bad)
+
+
+def test_ipc_updates_are_refused_by_the_vllm_backend(receiver):
+    receiver.has_group = True  # not a broadcast either: the handle must not be taken for one
+    req = WeightUpdateRequest(version=1, params=[{"name": "a.weight", "shape": [3, 4], "dtype": "float32"}],
+                              ipc={"kind": "cpu", "bytes": 304, "path": "/dev/shm/x"})
+    with pytest.raises(WeightUpdateError, match="cuda_ipc") as e:
+        receiver.validate(req)
+    assert e.value.status == 400

@@ -121,6 +121,9 @@ class VLLMWeightReceiver:
             check_params(params, self.specs, self.aliases)
 
     def validate(self, req: WeightUpdateRequest) -> None:
+        if req.ipc is not None:
+            raise WeightUpdateError("the vLLM backend does not take cuda_ipc updates (built-in engine only): use "
+                                    "trainer.weight_transport=process_group or shm")
         if req.shm is not None:
             self._check(req.params or [], req)
             check_shm(req)

@@ -48,13 +48,15 @@ import torch
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
+from inflight.cuda_ipc import IpcWriter  # transport cuda_ipc (same device): inflight/trainer/ipc_push.py
+from inflight.trainer.ipc_push import push_ipc
 from inflight.trainer.prepared import PreparedUpdate, prepare_update
 from inflight.trainer.protocols.common import (DTYPE_NAMES, ProtocolClient, ServerAnswered, WeightSyncError,
                                                on_device, run_into, unique_tensors)
 
 log = logging.getLogger("inflight.trainer.protocols.inflight")
 
-TRANSPORTS = ("process_group", "file", "shm")
+TRANSPORTS = ("process_group", "file", "shm", "cuda_ipc")
 SENDER_GRACE_S = 1.0  # after a server answered an error, how long the broadcast may take to finish before the abort
 ABORT_ANSWER_S = 30.0  # after an abort, how long the servers get to answer (they leave the broadcast at once)
 
@@ -85,6 +87,7 @@ class WeightSyncClient(ProtocolClient):
         self.precheck = precheck
         self.bucket_bytes = bucket_bytes
         self._shm = ShmWriter(self.shm_dir, lend=shm_lend) if transport == "shm" else None
+        self._ipc = IpcWriter(self.device, self.shm_dir) if transport == "cuda_ipc" else None
         self._shm_layout: tuple | None = None  # (announcement, offsets, data bytes, digest) of the last shm push
         self.last_write_s = 0.0  # seconds the last shm push took to write its segment
         self._layout: tuple | None = None  # ((announcement, bucket_bytes), buckets, packed sizes) of the last push
@@ -165,12 +168,13 @@ class WeightSyncClient(ProtocolClient):
             nbytes, ntensors = prepared.nbytes, len(prepared.params)
             self._check_adapter(prepared.params, extra)
             answers = self._push_broadcast(prepared.params, lambda announced: prepared.payload, version, mode, extra)
-        elif self.transport == "shm":  # converted while copied into the segment
+        elif self.transport in ("shm", "cuda_ipc"):  # converted while copied into the segment / buffer
             tensors = [(n, self._check_dtype(t.detach())) for n, t in unique_tensors(named_weights)]
             itemsize = {n: (self.dtype or t.dtype).itemsize for n, t in tensors}
             nbytes, ntensors = sum(t.numel() * itemsize[n] for n, t in tensors), len(tensors)
             self._check_adapter(_params(tensors, self.dtype), extra)
-            answers = self._push_shm(tensors, version, mode, extra)
+            answers = self._push_shm(tensors, version, mode, extra) if self.transport == "shm" else \
+                push_ipc(self, tensors, version, mode, extra)
         else:
             tensors = [(n, self._convert(t)) for n, t in unique_tensors(named_weights)]
             nbytes, ntensors = sum(t.numel() * t.element_size() for _, t in tensors), len(tensors)
@@ -188,7 +192,7 @@ class WeightSyncClient(ProtocolClient):
                  nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
         out = {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
                "num_tensors": ntensors, "adapter": bool(extra)}
-        if self.transport == "shm":
+        if self.transport in ("shm", "cuda_ipc"):
             out["write_s"] = self.last_write_s  # of `seconds`: writing the segment
         return out
 
@@ -395,6 +399,8 @@ class WeightSyncClient(ProtocolClient):
         self.store = None
         if self._shm is not None:
             self._shm.discard()
+        if self._ipc is not None:
+            self._ipc.discard()
 
 
 def check_config(cfg: Any) -> None:
