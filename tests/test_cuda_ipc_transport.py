@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from inflight.contracts import IpcBuffer, WeightUpdateRequest
 from inflight.cuda_ipc import IPC_HEADER_BYTES, IpcError, IpcWriter, check_handle, open_buffer
 from inflight.engine.ipc_receiver import ipc_local_only
-from inflight.trainer.weight_sync import WeightSyncClient, WeightSyncError
+from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.protocols.inflight import WeightSyncClient
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed, reference_logprobs, server_logprobs
 
 torch.set_num_threads(1)

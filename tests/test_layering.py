@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
 # dataclasses and sits on the bottom floor too, so every role may read any role's settings.
 FLOORS: list[tuple[str, ...]] = [
     ("contracts", "backends", "heap", "host", "native", "finite", "shm_weights", "config"),
+    ("cuda_ipc",),  # the same-device transport: the shm layout and header over a CUDA buffer (both ends)
     ("tasks", "algo", "streams"),
     ("modelkit",),
     ("engine", "trainer", "rewards"),

@@ -14,15 +14,12 @@ import torch
 from inflight.contracts import ParamInfo, shm_layout
 from inflight.cuda_ipc import IpcError
 from inflight.shm_weights import announcement_digest
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from inflight.trainer.protocols.common import DTYPE_NAMES, WeightSyncError
 
 
 def push_ipc(client: Any, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
              extra: dict) -> list[dict]:
     """One push of `client` (a WeightSyncClient with transport cuda_ipc): its answers, one per server."""
-    from inflight.trainer.weight_sync import WeightSyncError  # the client's module imports this one
-
     writer = client._ipc
     dtypes = [DTYPE_NAMES[client.dtype or t.dtype] for _, t in tensors]
     key = tuple((n, tuple(t.shape), d) for (n, t), d in zip(tensors, dtypes))
@@ -41,9 +38,9 @@ def push_ipc(client: Any, tensors: list[tuple[str, torch.Tensor]], version: int,
         client.last_write_s = time.perf_counter() - t0
         body = {"version": version, "mode": mode, "params": params, "ipc": handle, **extra}
         if client.precheck and announced != client._accepted:
-            client._collect([client.pool.submit(client._post, u, "/check_weight_update", body, True)
+            client.collect([client.pool.submit(client.post, u, "/check_weight_update", body, True)
                              for u in client.urls], "check_weight_update")
-        answers = client._collect([client.pool.submit(client._post, u, "/request_weight_update", body)
+        answers = client.collect([client.pool.submit(client.post, u, "/request_weight_update", body)
                                    for u in client.urls], "request_weight_update")
     except BaseException:
         writer.discard()  # a server may still read the old buffer: never write it again
