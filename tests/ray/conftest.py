@@ -126,24 +126,46 @@ def explicit_token_auth(root: Path) -> dict[str, str | None]:
     return old
 
 
-@pytest.fixture(scope="module")
+_shared: dict = {}  # the folder's one cluster and the environment to restore after it
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
 def ray_cluster(tmp_path_factory):
-    old_env = explicit_token_auth(tmp_path_factory.mktemp("auth"))
-    cluster = RayCluster(tmp_path_factory.mktemp("ray"))
-    try:
-        cluster.start_node("node_a", head=True)
-        cluster.wait_nodes({"node_a"})
-        cluster.start_node("node_b")
-        cluster.wait_nodes({"node_a", "node_b"})
-        yield cluster
-    finally:
-        cluster.stop()
-        deadline = time.time() + 20
-        while ray_processes() and time.time() < deadline:
-            time.sleep(0.5)
-        set_ray_auth(old_env)
-        left = ray_processes()
-        assert not left, "Ray processes left after teardown:\n" + "\n".join(left)
+    """One cluster for all the tests of this folder (a start and a stop take ~15-30 s on 2 shared cores): started by
+    the first test that asks, stopped after the folder's last test (pytest_runtest_teardown below), so its daemons
+    do not take CPU from the tests that follow. A test that needs both nodes waits for them (wait_nodes): an
+    earlier test may have killed and restarted node_b."""
+    if "cluster" not in _shared:
+        _shared["old_env"] = explicit_token_auth(tmp_path_factory.mktemp("auth"))
+        _shared["cluster"] = cluster = RayCluster(tmp_path_factory.mktemp("ray"))
+        try:
+            cluster.start_node("node_a", head=True)
+            cluster.wait_nodes({"node_a"})
+            cluster.start_node("node_b")
+            cluster.wait_nodes({"node_a", "node_b"})
+        except BaseException:
+            stop_shared_cluster()
+            raise
+    return _shared["cluster"]
+
+
+def stop_shared_cluster() -> None:
+    cluster, old_env = _shared.pop("cluster"), _shared.pop("old_env")
+    cluster.stop()
+    deadline = time.time() + 20
+    while ray_processes() and time.time() < deadline:
+        time.sleep(0.5)
+    set_ray_auth(old_env)
+    left = ray_processes()
+    assert not left, "Ray processes left after teardown:\n" + "\n".join(left)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the folder's last test (in any selection or order): stop the cluster; a process left is an error."""
+    if "cluster" in _shared and (nextitem is None or nextitem.path.parent != HERE):
+        stop_shared_cluster()
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +197,9 @@ def redis_url(tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=10)
 
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """An interrupted session (Ctrl-C, -x) still stops the cluster."""
+    if "cluster" in _shared:
+        stop_shared_cluster()
