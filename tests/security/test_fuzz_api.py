@@ -92,7 +92,7 @@ FIELDS = {
     "seed": big_ints, "logprobs": st.one_of(big_ints, st.booleans()), "top_logprobs": big_ints,
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=3), max_size=20), anything),
     "stop_token_ids": st.lists(big_ints, max_size=4), "ignore_eos": anything, "stream": st.booleans(),
-    "stream_options": anything, "presence_penalty": floats, "logit_bias": anything, "echo": anything,
+    "stream_options": anything, "presence_penalty": floats, "logit_bias": anything, "echo": st.one_of(st.booleans(), anything),
 }
 # one to three hostile fields on top of a valid body: a body with many bad fields only tests the first check
 sampling_fields = st.lists(st.sampled_from(sorted(FIELDS)), min_size=1, max_size=3, unique=True).flatmap(
