@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from inflight.engine.sampling import top_p_top_k
+
 CONTINUE, STOP, LENGTH = 0, 1, 2  # finish codes
 
 
@@ -30,17 +32,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / t[:, None], dim=-1)
     if filtered:  # greedy rows keep every token: their logprob is the plain temperature-1 one
-        p = torch.where(greedy, torch.ones_like(top_p), top_p)
-        k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
-        s_logp, s_idx = logp.sort(dim=-1, descending=True)
-        s_prob = s_logp.exp()
-        before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token: the first is always kept
-        rank = torch.arange(V, device=logits.device)[None]
-        keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
-        keep[:, 0] = True
-        s_logp = s_logp.masked_fill(~keep, float("-inf"))
-        s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
-        logp = torch.empty_like(logp).scatter_(1, s_idx, s_logp)
+        logp = top_p_top_k(logp, greedy, top_p, top_k)
     cdf = logp.exp().cumsum(-1)  # zero-probability tokens leave it flat: the search never lands on them
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)

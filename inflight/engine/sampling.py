@@ -54,6 +54,24 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
 
 
+def top_p_top_k(logp: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """logp [B, V] renormalised over each row's top-k tokens within its top-p mass (the first token always kept;
+    greedy rows keep every token: their logprob is the plain one). Batched tensor ops only (no host sync), so the
+    device sampler uses it as well."""
+    V = logp.shape[-1]
+    p = torch.where(greedy, torch.ones_like(top_p), top_p)
+    k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
+    s_logp, s_idx = logp.sort(dim=-1, descending=True)
+    s_prob = s_logp.exp()
+    before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token
+    rank = torch.arange(V, device=logp.device)[None]
+    keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
+    keep[:, 0] = True
+    s_logp = s_logp.masked_fill(~keep, float("-inf"))
+    s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
+    return torch.empty_like(logp).scatter_(1, s_idx, s_logp)
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     temperature: torch.Tensor,  # [B] float32, 0 = greedy
@@ -78,17 +96,7 @@ def sample(
         t = torch.where(greedy, torch.ones_like(temperature), temperature)
         logp = torch.log_softmax(logits if bool((t == 1).all()) else logits / t[:, None], dim=-1)
         if filtered:
-            p = torch.where(greedy, torch.ones_like(top_p), top_p)
-            k = torch.where(greedy | (top_k <= 0), torch.full_like(top_k, V), top_k.clamp(max=V))
-            s_logp, s_idx = logp.sort(dim=-1, descending=True)
-            s_prob = s_logp.exp()
-            before = s_prob.cumsum(-1) - s_prob  # mass strictly before each token; the first is always kept
-            rank = torch.arange(V, device=logits.device)[None]
-            keep = ((before < p[:, None]) | (p[:, None] >= 1.0)) & (rank < k[:, None])
-            keep[:, 0] = True
-            s_logp = s_logp.masked_fill(~keep, float("-inf"))
-            s_logp = s_logp - torch.logsumexp(s_logp, dim=-1, keepdim=True)
-            logp = torch.empty_like(logp).scatter_(1, s_idx, s_logp)
+            logp = top_p_top_k(logp, greedy, top_p, top_k)
         cdf = logp.exp().cumsum_(-1)
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
         if n_greedy:
