@@ -141,3 +141,32 @@ def test_the_floor_rule_sees_an_upward_import():
     assert "inflight.pipeline.launcher" in GRAPH["inflight.pipeline.train"]  # lazy imports are read too
     assert FLOOR[_folder("inflight.pipeline.launcher")] > FLOOR[_folder("inflight.engine.server")]
     assert _folder("inflight.trainer.config") == "config"
+
+
+def _function_imports_without_reason(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+    """Imports inside a function whose first line has no `# lazy: <reason>` comment."""
+    lines = path.read_text().splitlines()
+    bad = []
+    for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    comment = lines[inner.lineno - 1].partition("#")[2].strip()
+                    if not comment.startswith("lazy:") or len(comment) <= len("lazy:") + 3:
+                        bad.append(f"{path.relative_to(root)}:{inner.lineno}")
+    return sorted(set(bad))
+
+
+@pytest.mark.parametrize("folder", sorted({_folder(m) for m in MODULES if _folder(m) != "config"} | {"config"}))
+def test_imports_inside_functions_say_why(folder):
+    """A module's top shows what it depends on; an import inside a function (an optional dependency, a start-up
+    cost) carries `# lazy: <reason>` on its line."""
+    paths = {MODULES[m] for m in MODULES if _folder(m) == folder}
+    bad = [where for path in sorted(paths) for where in _function_imports_without_reason(path)]
+    assert not bad, "move to the module's top, or add `# lazy: <reason>`:\n" + "\n".join(bad)
+
+
+def test_the_reason_rule_sees_a_bare_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    import json\n    import os  # lazy: optional dependency\n    import re  # lazy:\n")
+    assert _function_imports_without_reason(path, tmp_path) == ["m.py:2", "m.py:4"]
