@@ -273,7 +273,8 @@ def _map_owned(path: str, size: int) -> torch.Tensor:
         storage = torch.UntypedStorage.from_file(path, True, size)
     except RuntimeError as e:
         raise ShmError(f"cannot map shm segment {path!r}: {e}") from None
-    t = torch.empty(0, dtype=torch.uint8).set_(storage)
+    # torch's stub gives from_file any storage type; it returns an UntypedStorage, which set_ takes
+    t = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
     if _LIBC is not None and size:
         if _LIBC.mprotect(t.data_ptr(), size, mmap.PROT_READ) != 0:
             raise ShmError(f"cannot make the mapping of {path!r} read-only (errno {ctypes.get_errno()})")
@@ -318,9 +319,10 @@ class _Segment:
         os.close(fd)
         self.path, self.size = path, size
         everything = _bytes_view(self.mm)
-        self.data = everything[SHM_HEADER_BYTES:]
-        self.state = ctypes.c_uint32.from_address(everything.data_ptr() + _STATE_AT)  # stored one at a time
-        self.written = ctypes.c_uint64.from_address(everything.data_ptr() + _WRITTEN_AT)
+        # each None once discarded
+        self.data: torch.Tensor | None = everything[SHM_HEADER_BYTES:]
+        self.state: ctypes.c_uint32 | None = ctypes.c_uint32.from_address(everything.data_ptr() + _STATE_AT)
+        self.written: ctypes.c_uint64 | None = ctypes.c_uint64.from_address(everything.data_ptr() + _WRITTEN_AT)
         # a writer dropped without discard(), or an interpreter that exits, still removes the file (it is memory);
         # only a killed process leaves one behind (its pid is in the name)
         self._finalizer = weakref.finalize(self, _unlink, path)

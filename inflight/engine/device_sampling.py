@@ -55,6 +55,9 @@ class DeviceSampler:
 
     def __init__(self, max_batch: int, device: torch.device, max_model_len: int, max_stops: int = 8):
         self.device, self.max_model_len = torch.device(device), max_model_len
+        self._allocate(max_batch, max_stops)
+
+    def _allocate(self, max_batch: int, max_stops: int) -> None:
         pin = self.device.type == "cuda"
         self.max_stops = max_stops
         self._ints = torch.zeros(max_batch, 4 + max_stops, dtype=torch.long)  # top_k, n_gen, max_tokens, len, stops
@@ -76,7 +79,7 @@ class DeviceSampler:
         floats = [[p.temperature, p.top_p, x] for p, x in zip(ps, u)]
         S = max(1, max(len(r) for r in ints) - 4)
         if S > self.max_stops:  # a request with more stop ids than the table has room for: grow it once
-            self.__init__(self._floats.shape[0], self.device, self.max_model_len, S)
+            self._allocate(self._floats.shape[0], S)
         w = 4 + S
         self._ints[:B, :w] = torch.tensor([r + [-1] * (w - len(r)) for r in ints], dtype=torch.long)
         self._floats[:B] = torch.tensor(floats, dtype=torch.float32)

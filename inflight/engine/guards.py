@@ -123,7 +123,7 @@ def check_master_address(address: str, port: int, client_host: str, own_port: in
         infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"master_address {address!r} does not resolve: {e}") from None
-    ips = sorted({info[4][0] for info in infos})
+    ips = sorted({str(info[4][0]) for info in infos})  # the host of an IPv4 or IPv6 address (a str)
     allowed = [ip for ip in ips if _is_loopback(ip) or ip == client_host]
     if not allowed or len(allowed) != len(ips):
         raise ValueError(f"master_address {address!r} ({', '.join(ips)}) is neither loopback nor the requesting "

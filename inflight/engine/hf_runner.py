@@ -12,13 +12,13 @@ import copy
 import inspect
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from inflight.engine.step import StepPlan
 
 
 class HFRunner:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int):
+    def __init__(self, model: PreTrainedModel, max_batch: int, max_model_len: int):
         self.model = model
         self.device = next(model.parameters()).device
         self.kernels = None  # the C kernels (sampling included) are the llama path's

@@ -37,9 +37,11 @@ is kept; `make_writable` gives a block storage of its own again before anything 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +51,15 @@ from inflight.engine import cpu_kernels
 from inflight.engine import precision as prec
 from inflight.engine.step import StepPlan
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 SUPPORTED_TYPES = ("llama", "qwen2")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin do not depend on the sequence length
 STAGE_CHUNK_BYTES = 4 << 20  # stage() following a segment being written copies this much at a time
 
 
-def supports(model: torch.nn.Module) -> str | None:
+def supports(model: PreTrainedModel) -> str | None:
     """None if the fast path can run this model, else the reason it cannot."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
@@ -66,6 +71,8 @@ def supports(model: torch.nn.Module) -> str | None:
         return "sliding-window attention"
     if getattr(cfg, "mlp_bias", False):
         return "mlp bias"
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        return "the output layer is not an nn.Linear"
     return None
 
 
@@ -80,14 +87,14 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     for l in linears:
         n = l.out_features
         l.weight.data = w[row : row + n]
-        if l.bias is not None:
+        if l.bias is not None and b is not None:  # b is set when any member has a bias
             l.bias.data = b[row : row + n]
         row += n
     return w, b
 
 
 class LlamaRunner:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_model_len: int, precision: str = "float32",
+    def __init__(self, model: PreTrainedModel, max_batch: int, max_model_len: int, precision: str = "float32",
                  pack: bool | None = None, kernels: bool = True):
         cfg = model.config
         self.pack = os.environ.get("INFLIGHT_PACK_WEIGHTS", "1") != "0" if pack is None else pack
@@ -96,16 +103,21 @@ class LlamaRunner:
         prec.check_precision(precision, p.device)
         self.precision = precision
         self.device, self.dtype = p.device, prec.compute_dtype(precision, p.dtype)
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
-        self.hidden = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
+        self.n_heads: int = cfg.num_attention_heads
+        self.n_kv: int = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden: int = cfg.hidden_size
+        self.eps: float = cfg.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.inner = model.model
-        self.layers = []
+        # the HF decoder (LlamaModel / Qwen2Model, no common base class): its submodules are read by name
+        self.inner: Any = model.model
+        lm_head = model.lm_head
+        assert isinstance(lm_head, torch.nn.Linear), "llama / qwen2 output layers are nn.Linear"
+        self.lm_head = lm_head
+        # per layer: the master tensors by key (see prec.GeneratorWeights), and "inter" (the MLP's width)
+        self.layers: list[dict[str, Any]] = []
         # (layer, key of self.layers[layer]) -> [(HF parameter, first row, end row)]: what swap() re-points
-        self.members: dict[tuple[int, str], list[tuple[torch.nn.Parameter, int, int]]] = {}
+        self.members: dict[tuple[int, str], list[tuple[torch.Tensor, int, int]]] = {}
         for li, layer in enumerate(self.inner.layers):
             at, mlp = layer.self_attn, layer.mlp
             for key, linears in (("w_qkv", [at.q_proj, at.k_proj, at.v_proj]), ("w_gu", [mlp.gate_proj, mlp.up_proj]),
@@ -120,7 +132,7 @@ class LlamaRunner:
                 inter=mlp.gate_proj.out_features,
             ))
         # the embedding and an untied output layer: one "block" each (layer -1), their Parameter re-pointed by swap()
-        embed, head = self.inner.embed_tokens.weight, model.lm_head.weight
+        embed, head = self.inner.embed_tokens.weight, self.lm_head.weight
         self.members[(-1, "embed")] = [(embed, 0, embed.shape[0])]
         if head is not embed:
             self.members[(-1, "head")] = [(head, 0, head.shape[0])]
@@ -152,10 +164,12 @@ class LlamaRunner:
         self.k_cache, self.v_cache = self.kv[:, 0], self.kv[:, 1]
         # float32 on CPU: norms, rope + KV write, silu * up and decode attention in C (cpu_kernels.py), else torch ops
         use_c = kernels and cpu_kernels.usable(self.device, self.dtype, self.head_dim)
-        self.kernels = cpu_kernels.Kernels(cpu_kernels.load()) if use_c else None
+        c_lib = cpu_kernels.load() if use_c else None
+        self.kernels = cpu_kernels.Kernels(c_lib) if c_lib is not None else None
         self.weight_builds = 0  # how many times the generator's weights were derived (1 + one per update)
         self.pinned = False  # pin_storage(): weights and KV never move (CUDA graphs hold their addresses)
         self._repacker: _Repacker | None = None  # float32 packing after an update, off the engine thread
+        self.gen: prec.GeneratorWeights  # what the forward computes with, derived below
         self.after_weight_update()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -176,19 +190,18 @@ class LlamaRunner:
     def after_weight_update(self) -> None:
         """The fused tensors are the HF parameters' storage; derive the generator's weights from them again (a tied
         head is the embedding's tensor, so it follows). Packing after an update is left to the background."""
-        head = self.model.lm_head
-        args = (self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight, head.weight,
-                head.bias)
+        embed, norm, head = self.inner.embed_tokens.weight, self.inner.norm.weight, self.lm_head
         self.weight_builds += 1
-        if self.pinned and prec.refresh(self.gen, *args):
+        if self.pinned and prec.refresh(self.gen, self.precision, embed, self.layers, norm, head.weight, head.bias):
             return  # in place: every tensor keeps the address a captured CUDA graph reads
         defer = (self.weight_builds > 1 and self.pack and self.precision == "float32"
                  and prec.packing_available(self.device))
-        self.gen = prec.build(*args, pack=self.pack and not defer)
+        build = functools.partial(prec.build, self.precision, embed, self.layers, norm, head.weight, head.bias)
+        self.gen = build(pack=self.pack and not defer)
         if defer:
             if self._repacker is None:
                 self._repacker = _Repacker()
-            self._repacker.request(self.weight_builds, args)
+            self._repacker.request(self.weight_builds, functools.partial(build, pack=True))
 
     def _blocks(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
         """{block: {id(HF parameter): (name, tensor)}} for the tensors that a block's storage holds, and the rest."""
@@ -355,7 +368,7 @@ class LlamaRunner:
         self.pinned, self.double_buffer, self.pack = True, False, False
         self._spares.clear()
         self.gen = prec.build(self.precision, self.inner.embed_tokens.weight, self.layers, self.inner.norm.weight,
-                              self.model.lm_head.weight, self.model.lm_head.bias, pack=False)
+                              self.lm_head.weight, self.lm_head.bias, pack=False)
 
     def install_packed(self) -> bool:
         """At a step boundary: swap in the packed weights of the current master, if the background has them."""
@@ -387,7 +400,8 @@ class LlamaRunner:
             kv_rows = self._kv_index(plan)
         T = plan.max_decode_len  # decodes attend only up to the longest one
         # the C attention is single-threaded; with more threads torch's batched matmuls use them all
-        c_attention = C is not None and torch.get_num_threads() == 1  # every token over its plan.lens cached keys
+        c_attn = C if torch.get_num_threads() == 1 else None  # every token over its plan.lens cached keys
+        c_attention = c_attn is not None
         torch_prefills = () if c_attention else plan.prefills  # else one masked SDPA per chunk
         if nd and not c_attention:  # -inf past each sequence's length
             first = plan.decode_first_slot
@@ -412,8 +426,8 @@ class LlamaRunner:
                 torch.addcmul(qk * cos, rot, sin, out=qk)
                 cache.view(-1, D).index_copy_(0, kv_rows, qkv[:, H * D :].reshape(-1, D))
             out = torch.empty(n_tok, H, D, dtype=x.dtype, device=self.device)
-            if c_attention:
-                C.cached_attention(qk[:, :H], kc, vc, plan.token_slots, plan.lens, plan.max_len, self.scale, out)
+            if c_attn is not None:
+                c_attn.cached_attention(qk[:, :H], kc, vc, plan.token_slots, plan.lens, plan.max_len, self.scale, out)
             elif nd:
                 if first is not None:  # a view, no copy
                     kd, vd = kc[first : first + nd, :, :T], vc[first : first + nd, :, :T]
@@ -451,14 +465,15 @@ class _Repacker:
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._want: tuple[int, tuple] | None = None
+        self._want: tuple[int, Callable[[], prec.GeneratorWeights]] | None = None
         self._done: tuple[int, prec.GeneratorWeights] | None = None
         self.ready = False  # a result is waiting (read without the lock on every step)
         threading.Thread(target=self._run, name="weight-repack", daemon=True).start()
 
-    def request(self, build: int, args: tuple) -> None:
+    def request(self, build: int, derive: Callable[[], prec.GeneratorWeights]) -> None:
+        """derive(): the packed weights of update `build` (read from the master when it runs)."""
         with self._cv:
-            self._want, self._done, self.ready = (build, args), None, False
+            self._want, self._done, self.ready = (build, derive), None, False
             self._cv.notify()
 
     def take(self, build: int) -> prec.GeneratorWeights | None:
@@ -471,8 +486,8 @@ class _Repacker:
             with self._cv:
                 while self._want is None:
                     self._cv.wait()
-                (build, args), self._want = self._want, None
-            gen = prec.build(*args, pack=True)
+                (build, derive), self._want = self._want, None
+            gen = derive()
             with self._cv:
                 if self._want is None:  # no newer update asked meanwhile
                     self._done, self.ready = (build, gen), True

@@ -241,7 +241,8 @@ def prompt_fields(body: dict[str, Any], scores: Any, prompt_ids: list[int], echo
             lp["top_logprobs"] = tops + (gen["top_logprobs"] or [])
         body["logprobs"] = lp
     if req.prompt_logprobs is not None:
-        k, rows = req.prompt_logprobs, [None]
+        k = req.prompt_logprobs
+        rows: list[dict[str, dict[str, Any]] | None] = [None]  # the first prompt token has no logprob
         for pos in range(1, len(prompt_ids)):
             tid = prompt_ids[pos]
             row = {str(tid): {"logprob": scores.logprobs[pos], "rank": scores.ranks[pos],

@@ -151,8 +151,8 @@ def build(precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.T
                 if bias:
                     q[bias] = b
             players.append(q)
-        head, head_bias = _pack_large(head, head_bias)
-        return GeneratorWeights(embed, players, norm, head, head_bias, master)
+        phead, phead_bias = _pack_large(head, head_bias)
+        return GeneratorWeights(embed, players, norm, phead, phead_bias, master)
     if precision == "int8":
         qlayers = []
         for L in layers:
@@ -165,11 +165,11 @@ def build(precision: str, embed: torch.Tensor, layers: list[dict], norm: torch.T
             qlayers.append(q)
         return GeneratorWeights(embed, qlayers, norm, head, head_bias, master)
     dt = torch.bfloat16
-    cast = lambda t: None if t is None else t.detach().to(dt)  # noqa: E731
-    blayers = [{k: (cast(v) if isinstance(v, torch.Tensor) else v) for k, v in L.items()} for L in layers]
+    blayers = [{k: (v.detach().to(dt) if isinstance(v, torch.Tensor) else v) for k, v in L.items()} for L in layers]
     head_dt = torch.float32 if precision == "bfloat16-fp32-head" else dt
-    cast_h = lambda t: None if t is None else t.detach().to(head_dt)  # noqa: E731
-    return GeneratorWeights(cast(embed), blayers, cast_h(norm), cast_h(head), cast_h(head_bias), head_dt)
+    hbias = None if head_bias is None else head_bias.detach().to(head_dt)
+    return GeneratorWeights(embed.detach().to(dt), blayers, norm.detach().to(head_dt), head.detach().to(head_dt),
+                            hbias, head_dt)
 
 
 def _pairs(gen: GeneratorWeights, embed, layers, norm, head, head_bias):
