@@ -17,6 +17,7 @@ from inflight.engine import openai_api as oa
 from inflight.engine.guards import Admission
 from inflight.engine.http_errors import Auth, BadRequest
 from inflight.engine.request import Choice, Generation
+from inflight.engine.sampling import SamplingParams
 
 log = logging.getLogger("inflight.engine.server")
 
@@ -63,8 +64,6 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
                              code="model_not_found")
 
     def sampling(req: oa._Sampling, prompt_ids: list[int]) -> Any:
-        from inflight.engine.core import SamplingParams
-
         ctx = engine.max_model_len
         if len(prompt_ids) == 0:
             raise BadRequest("the prompt is empty", "prompt")

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 from inflight import backends
+from inflight.host import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_app(args: argparse.Namespace):
     """The built-in engine and its FastAPI app, from `inflight serve` arguments."""
-    from inflight.engine.core import InferenceEngine
-    from inflight.engine.server import create_app
+    from inflight.engine.core import InferenceEngine  # lazy: start-up cost (torch, transformers) of `serve --help`
+    from inflight.engine.server import create_app  # lazy: start-up cost (FastAPI, torch) of `serve --help`
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
@@ -88,7 +94,7 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
                      version_wait_s=args.version_wait_s)
     if getattr(args, "adapter", None):
-        from inflight.modelkit.peft_adapter import read_peft_adapter
+        from inflight.modelkit.peft_adapter import read_peft_adapter  # lazy: only with --adapter
 
         try:
             adapter = read_peft_adapter(args.adapter)
@@ -99,7 +105,7 @@ def build_app(args: argparse.Namespace):
 
 
 def serve_app(app, args: argparse.Namespace) -> None:
-    import uvicorn
+    import uvicorn  # lazy: start-up cost (0.3 s) of `serve --help`
 
     # One worker process: the engine owns the model; a big backlog so 1,000 concurrent clients can connect.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, backlog=4096,
@@ -115,14 +121,7 @@ class ServerProcess:
     def __init__(self, model: str, *, port: int = 0, host: str = "127.0.0.1", extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, log_path: str | None = None,
                  command: list[str] | None = None):
-        import subprocess
-        import sys
-        import tempfile
-        import time
-
-        import httpx
-
-        from inflight.host import free_port
+        import httpx  # lazy: start-up cost (0.1 s) of `serve --help`, which imports this module
 
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
@@ -153,9 +152,6 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to the server's process group, SIGKILL after `timeout_s`."""
-        import signal
-        import subprocess
-
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:

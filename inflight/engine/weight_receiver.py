@@ -38,6 +38,9 @@ import time
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch.distributed import ProcessGroupGloo, TCPStore
 
 from inflight.contracts import (LORA_SUFFIXES, AdapterSpec, InitProcessGroupRequest, ParamInfo, WeightUpdateRequest,
                                 adapter_pairs, bucket_layout, packed_bytes, shm_layout)
@@ -330,6 +333,7 @@ class WeightReceiver:
         params = req.params or []
         offsets, data_bytes = shm_layout(params)
         check_shm(req)  # again, now that we hold the lock: the announced version is what we map
+        assert req.shm is not None  # check_shm read it
         views = self._shm.tensors(req.shm.path, [(p.name, p.shape, p.dtype, off) for p, off in zip(params, offsets)])
         return views, self._shm.watch(req.version, data_bytes, announcement_digest(params))
 
@@ -443,13 +447,11 @@ def _bcast_opts(root: int) -> Any:
 
 def _join_group(req: InitProcessGroupRequest, address: str) -> Any:
     """Build the group on the trainer's TCPStore, without a key prefix and without a default group."""
-    from torch.distributed import ProcessGroupGloo, TCPStore
-
     timeout = datetime.timedelta(seconds=req.timeout_s)
     store = TCPStore(address, req.master_port, req.world_size, is_master=False, timeout=timeout)
     if req.backend == "gloo":
         return ProcessGroupGloo(store, req.rank_offset, req.world_size, timeout)
-    from torch.distributed import ProcessGroupNCCL  # GPU: same rendezvous, NCCL transport
+    from torch.distributed import ProcessGroupNCCL  # lazy: only in CUDA builds of torch (same rendezvous)
 
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
@@ -458,9 +460,6 @@ def _join_group(req: InitProcessGroupRequest, address: str) -> Any:
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
     """safetensors only (never pickle): a plain file that the server process can read."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not os.path.isabs(path):
         raise WeightUpdateError(f"path must be absolute: {path!r}")
     if not os.path.isfile(path):

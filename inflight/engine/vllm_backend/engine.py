@@ -20,6 +20,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from transformers import AutoConfig, AutoTokenizer
+
 from inflight.engine.core import TokenEvent, VersionNotReached
 from inflight.engine.sampling import SamplingParams
 
@@ -35,8 +37,6 @@ def _version_int(v: Any) -> int:
 
 class VLLMEngine:
     def __init__(self, llm: Any, model_dir: str, *, model_name: str | None = None):
-        from transformers import AutoConfig, AutoTokenizer
-
         self.llm = llm
         mc = llm.vllm_config.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -81,8 +81,8 @@ class VLLMEngine:
 
     # ---- generation -------------------------------------------------------------------------------------------
     def _vllm_params(self, p: SamplingParams, index: int) -> Any:
-        from vllm import SamplingParams as VSP
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import SamplingParams as VSP  # lazy: vLLM is optional (its own environment)
+        from vllm.sampling_params import RequestOutputKind  # lazy: vLLM is optional
 
         return VSP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
                    stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,

@@ -51,8 +51,8 @@ def check_vllm_version(version: str) -> None:
 
 
 def engine_args(model: str, vllm_argv: list[str]) -> Any:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.engine.arg_utils import AsyncEngineArgs  # lazy: vLLM is optional (its own environment)
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # lazy: vLLM is optional
 
     given = {a.split("=")[0] for a in vllm_argv if a.startswith("--")}
     given |= {"--enable-prefix-caching"} if "--no-enable-prefix-caching" in given else set()
@@ -70,12 +70,12 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
 def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool) -> Any:
     """inflight's app over vLLM: the built-in server's OpenAI and health routers over `engine`, its weight router
     over `receiver` (the workers), behind the same access rules (server.py)."""
-    from inflight.engine.guards import Admission
-    from inflight.engine.http_errors import Auth
-    from inflight.engine.routes_health import health_router, prometheus_text
-    from inflight.engine.routes_openai import openai_router
-    from inflight.engine.routes_weights import weights_router
-    from inflight.engine.server import base_app
+    from inflight.engine.guards import Admission  # lazy: start-up cost (FastAPI, torch), not paid by `--help`
+    from inflight.engine.http_errors import Auth  # lazy: start-up cost
+    from inflight.engine.routes_health import health_router, prometheus_text  # lazy: start-up cost
+    from inflight.engine.routes_openai import openai_router  # lazy: start-up cost
+    from inflight.engine.routes_weights import weights_router  # lazy: start-up cost
+    from inflight.engine.server import base_app  # lazy: start-up cost
 
     app = base_app(engine)
     admission = Admission(engine.max_batch, None)
@@ -89,18 +89,18 @@ def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_a
 
 
 async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
-    import uvicorn
+    import uvicorn  # lazy: start-up cost, not paid by `--help` or a bad argument
 
     try:
-        import vllm
+        import vllm  # lazy: vLLM is optional (its own environment)
     except ImportError as e:
         raise SystemExit(f"--engine vllm needs vLLM in this Python environment ({e}); run inflight from vLLM's "
                          "environment (pip install --no-deps -e . there; docs/backends.md)") from e
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.usage.usage_lib import UsageContext  # lazy: vLLM is optional
+    from vllm.v1.engine.async_llm import AsyncLLM  # lazy: vLLM is optional
 
-    from inflight.engine.vllm_backend.engine import VLLMEngine
-    from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs
+    from inflight.engine.vllm_backend.engine import VLLMEngine  # lazy: start-up cost (torch, transformers)
+    from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs  # lazy: start-up cost
 
     check_vllm_version(vllm.__version__)
     llm = AsyncLLM.from_engine_args(engine_args(args.model, vllm_argv), usage_context=UsageContext.OPENAI_API_SERVER)

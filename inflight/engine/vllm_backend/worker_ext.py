@@ -39,9 +39,12 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed import ProcessGroupGloo, TCPStore
 
 from inflight.engine.adapter_merge import LORA_A, LORA_B, bases_of, merge
 from inflight.finite import nonfinite
@@ -52,9 +55,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 NONFINITE = "NaN or Inf values in"  # the receiver answers 400 for an error that says this
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupNCCL
+
 
 class InflightWorkerExtension:
     """Methods named `inflight_*` to avoid clashing with vLLM's own Worker methods."""
+
+    # what an update puts aside until inflight_apply (set on the worker as it stages; absent before)
+    _inflight_staged: dict[str, torch.Tensor]
+    _inflight_staged_bases: tuple[str, ...] | None  # an adapter's merged bases; None for a full update
 
     # ---- model facts ------------------------------------------------------------------------------------------
     def inflight_model_info(self) -> dict[str, Any]:
@@ -74,8 +84,7 @@ class InflightWorkerExtension:
         device = self._inflight_device()
 
         def join() -> None:
-            from torch.distributed import ProcessGroupGloo, TCPStore
-
+            group: ProcessGroupGloo | ProcessGroupNCCL
             try:
                 if device.type == "cuda":  # this thread started on device 0; NCCL binds the current one
                     torch.cuda.set_device(device)
@@ -84,7 +93,7 @@ class InflightWorkerExtension:
                 if backend == "gloo":
                     group = ProcessGroupGloo(store, rank, world_size, timeout)
                 else:
-                    from torch.distributed import ProcessGroupNCCL
+                    from torch.distributed import ProcessGroupNCCL  # lazy: only in CUDA builds of torch
 
                     opts = ProcessGroupNCCL.Options()
                     opts._timeout = timeout
@@ -142,8 +151,6 @@ class InflightWorkerExtension:
         return len(staged)
 
     def inflight_stage_file(self, path: str) -> int:
-        from safetensors.torch import load_file
-
         self._inflight_stage(load_file(path, device="cpu"))
         return len(self._inflight_staged)
 
@@ -250,7 +257,7 @@ class InflightWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
         hf = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
         if getattr(hf, "tie_word_embeddings", False):  # the prepacked lm_head would keep the OLD weights
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # lazy: vLLM's CPU path only
 
             dispatch_cpu_unquantized_gemm(self.model_runner.get_model().lm_head, remove_weight=False)  # type: ignore[attr-defined]
 
@@ -265,8 +272,6 @@ def _view(buf: torch.Tensor, offset: int, shape: list[int], dtype: str) -> torch
 
 def _read_tensor(model_dir: str, name: str) -> torch.Tensor:
     """One tensor of the checkpoint (read alone, not the whole file)."""
-    from safetensors import safe_open
-
     for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(f, framework="pt", device="cpu") as st:
             if name in st.keys():
@@ -275,8 +280,6 @@ def _read_tensor(model_dir: str, name: str) -> torch.Tensor:
 
 
 def _read_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise RuntimeError(f"no *.safetensors in {model_dir}: partial updates on CPU need the original checkpoint")
