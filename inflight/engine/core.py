@@ -48,26 +48,24 @@ import logging
 import os
 import threading
 import time
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.contracts import tied_aliases
-from inflight.engine import llama_runner, precision, prompt_scores
-from inflight.engine.device_sampling import CONTINUE, LENGTH, STOP, DeviceSampler
+from inflight.engine import llama_runner, precision, prompt_scores, step
+from inflight.engine.device_sampling import DeviceSampler
 from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.hf_runner import HFRunner
 from inflight.engine.prefix_cache import Slots
-from inflight.engine.sampling import SamplingParams, sample
+from inflight.engine.sampling import SamplingParams
 from inflight.engine.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
-from inflight.engine.step import StepPlan
 from inflight.modelkit.stops import stop_token_ids
 from inflight.modelkit.check import check_model_dir
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_FINISH = {CONTINUE: None, STOP: "stop", LENGTH: "length"}
 
 
 class InferenceEngine:
@@ -87,19 +85,27 @@ class InferenceEngine:
             check_model_dir(model_path)  # a clear error for a folder that is not a causal LM
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval().requires_grad_(False)
+        # transformers wraps nn.Module.to with functools.wraps, and mypy then takes the device for `self`
+        self.model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         self.model_name = os.path.basename(os.path.normpath(model_path))
         cfg = self.model.config
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
-        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        embeddings: Any = self.model.get_input_embeddings()  # an nn.Embedding (or a subclass), per architecture
+        self.vocab_size: int = embeddings.num_embeddings
         # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
         self.eos_ids = stop_token_ids(cfg, self.model.generation_config, self.tokenizer)
         why_not = llama_runner.supports(self.model)
-        graphs = graphs_enabled(cuda_graphs, self.device, why_not)
+        graphs = graphs_enabled(cuda_graphs, self.device, why_not)  # only on the fast path
+        self.runner: llama_runner.LlamaRunner | HFRunner
+        self.graphs: DecodeGraphs | None = None
         if why_not is None:  # CUDA graphs: one more KV slot, the padding rows' scratch
-            self.runner = llama_runner.LlamaRunner(self.model, max_batch + graphs, self.max_model_len,
-                                                   generator_precision)
+            runner = llama_runner.LlamaRunner(self.model, max_batch + graphs, self.max_model_len, generator_precision)
+            if graphs:  # the graphs hold the weights' and the cache's addresses: updates copy in place from now on
+                runner.pin_storage()
+                self.graphs = DecodeGraphs(runner, max_batch, capture=self.device.type == "cuda")
+                log.info("decode steps: %s", self.graphs.status)
+            self.runner = runner
         elif generator_precision != "float32":
             raise ValueError(f"generator_precision {generator_precision!r} needs the fast llama path: {why_not}")
         else:
@@ -107,11 +113,6 @@ class InferenceEngine:
                         "(slower)", why_not)
             self.runner = HFRunner(self.model, max_batch, self.max_model_len)
         self.fast_path = why_not is None
-        self.graphs: DecodeGraphs | None = None
-        if graphs:  # the graphs hold the weights' and the cache's addresses: updates copy in place from now on
-            self.runner.pin_storage()
-            self.graphs = DecodeGraphs(self.runner, max_batch, capture=self.device.type == "cuda")
-            log.info("decode steps: %s", self.graphs.status)
         on_device = self.device.type != "cpu" if device_sampling is None else device_sampling
         self.sampler = DeviceSampler(max_batch, self.device, self.max_model_len) if on_device else None
         self.generator_precision = generator_precision
@@ -447,36 +448,14 @@ class InferenceEngine:
             ctx = sum(start + 1 for _, start, _ in chunks[:nd])
             self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
 
-    def _forward_and_sample(self, chunks: list, want: list[bool], seqs: list[_Seq], nd: int,
+    def _forward_and_sample(self, chunks: list[step.Chunk], want: list[bool], seqs: list[_Seq], nd: int,
                             score: list[int]) -> None:
-        """nd: the first nd chunks are decodes (one token after a cached prefix, logits wanted); score[i]: rows of
-        chunk i that score prompt tokens (their logits come after the sampling rows)."""
-        if self.graphs is not None and nd == len(chunks):
-            logits = self.graphs.decode([ids[0] for _, _, ids in chunks], [start for _, start, _ in chunks],
-                                        [slot for slot, _, _ in chunks])
-        else:  # prefill chunks (or no graphs): the eager forward
-            logits = self.runner.forward(StepPlan.build(chunks, want, self.device, score))
+        """The step's forward and sampling (step.py); here, what they mean for the requests: the sequences whose
+        request generates nothing (max_tokens 0: the prompt was only scored) end, the others get their token."""
         version = self.version
-        if any(score):
-            logits = prompt_scores.feed(logits, [s.scores for s in seqs], score, sum(want), version)
+        logits, rows, sampled = step.forward(self.runner, self.graphs, self.device, chunks, want, nd, score, seqs,
+                                             version)
         self._st["steps"] += 1
-        rows, sampled = [], []
-        r = 0
-        for s, (_, _, ids), w in zip(seqs, chunks, want):
-            s.num_cached += len(ids)
-            if not w:
-                continue
-            if s.split_pending:  # choice 0 prefilled the shared prompt: copy its KV to the other choices
-                s.split_pending = False
-                for c in s.req.seqs[1:]:
-                    if not c.done:
-                        self.runner.copy_slot(s.slot, c.slot, s.num_cached)
-                        c.num_cached, c.kv_version, c.active = s.num_cached, s.kv_version, True
-                        rows.append(r)
-                        sampled.append(c)
-            rows.append(r)
-            sampled.append(s)
-            r += 1
         if any(s.req.params.max_tokens == 0 for s in sampled):  # the prompt scored, nothing to generate
             keep = [i for i, s in enumerate(sampled) if s.req.params.max_tokens > 0]
             for s in sampled:
@@ -488,52 +467,17 @@ class InferenceEngine:
             rows, sampled = [rows[i] for i in keep], [sampled[i] for i in keep]
         if not sampled:
             return
-        if len(rows) != r:
+        if len(rows) != sum(want):  # choices sharing a row, or rows left out
             logits = logits[torch.tensor(rows, device=logits.device)]
-        self._sample_and_emit(logits, sampled, version)
-
-    def _sample_and_emit(self, logits: torch.Tensor, seqs: list[_Seq], version: int) -> None:
-        ps = [s.req.params for s in seqs]
-        dev = logits.device
-        u = torch.rand(len(seqs), generator=self._rng)
-        for i, s in enumerate(seqs):
-            if s.gen is not None:
-                u[i] = torch.rand(1, generator=s.gen)[0]
-        filtered = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in ps)
-        num_top = max(p.top_logprobs for p in ps)
-        codes = None
-        if self.sampler is not None:  # on the device: one copy back per step, stop checks included
-            tok_l, lp_l, codes, top_v, top_i = self.sampler.run(logits, seqs, u.tolist(), filtered, num_top)
-        else:
-            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
-            tokens, logprobs, top = sample(logits, temp, top_p, top_k, u.to(dev), num_top, filtered,
-                                           self.runner.kernels)
-            tok_l, lp_l = tokens.tolist(), logprobs.tolist()
-            top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
+        events = step.sample_next(logits, sampled, self._rng, self.sampler, self.runner.kernels, self.max_model_len,
+                                  version)
         finished = False
-        for i, (s, tok, lp, p) in enumerate(zip(seqs, tok_l, lp_l, ps)):
-            s.tokens.append(tok)
-            s.n_gen += 1
-            tl = None
-            if p.top_logprobs:
-                tl = [(t, v) for t, v in zip(top_i[i][: p.top_logprobs], top_v[i][: p.top_logprobs]) if v > -1e30]
-            reason = None
-            if codes is not None:
-                reason = _FINISH[codes[i]]
-            elif tok in s.req.stop_ids:
-                reason = "stop"
-            elif s.n_gen >= p.max_tokens or len(s.tokens) >= self.max_model_len:
-                reason = "length"
-            ev = TokenEvent(s.index, tok, lp, version, tl, reason)
-            if s.scores is not None:  # choice 0's first token: its prompt is scored by now
-                ev.prompt, s.scores = s.scores, None
-            if reason is None:
+        for s, ev in zip(sampled, events):
+            if ev.finish_reason is None:
                 self._emit(s.req, ev)
             else:
-                self._release(s, reason, ev)
+                self._release(s, ev.finish_reason, ev)
                 finished = True
-        self._st["generated_tokens_total"] += len(seqs)
+        self._st["generated_tokens_total"] += len(sampled)
         if finished:
             self._running = [s for s in self._running if not s.done]
