@@ -15,7 +15,7 @@ import contextlib
 import random
 import statistics
 import time
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator
 
 from inflight import backends
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
@@ -66,7 +66,7 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
     eng = InferenceEngine(model_path, max_batch=max_batch, max_model_len=max_model_len,
                           threads=threads, generator_precision=precision)
     eng.start()
-    vocab = cast(int, eng.vocab_size)  # an int; engine/core.py reads it off nn.Module, which types it Tensor | Module
+    vocab = eng.vocab_size
     rng = random.Random(0)
 
     def timer(b: int, prompt: int, new: int) -> float:

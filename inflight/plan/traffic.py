@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import random
 import statistics
-from typing import Any, cast
+from typing import Any
 
 from inflight.plan.profile import EngineProfile
 
@@ -53,7 +53,7 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
         torch.set_num_threads(srv.threads)
     eng = InferenceEngine(cfg.model.path, max_batch=srv.max_batch, max_model_len=srv.max_model_len,
                           threads=srv.threads, generator_precision=srv.generator_precision)
-    vocab = cast(int, eng.vocab_size)  # an int; engine/core.py reads it off nn.Module, which types it Tensor | Module
+    vocab = eng.vocab_size
     G = act.group_size
     in_flight = max(1, srv.max_batch // G)
     total = groups_per_round or in_flight * max(4, -(-400 // act.max_new_tokens))  # a few hundred steady steps
