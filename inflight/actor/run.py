@@ -20,10 +20,15 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
 from inflight.actor.actor import Actor, MetricsSink
+from inflight.actor.episode import EpisodeConfig, episode_rollout
 from inflight.actor.rollout import RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
+from inflight.actor.turns import TurnRenderer
 from inflight.contracts import Stream
 from inflight.heap import freeze_startup_objects
+from inflight.rewards import RewardService
+from inflight.tasks import get_task
+from inflight.trainer.protocols import protocol_of
 
 
 def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
@@ -39,8 +44,6 @@ def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
 
 
 def make_rewards(run_cfg: Any) -> Any:
-    from inflight.rewards import RewardService
-
     a, algo = run_cfg.actor, run_cfg.algo
     return RewardService(run_cfg.task, workers=a.reward_workers, timeout_s=a.reward_timeout_s,
                          truncated=algo.truncated, overlong_penalty=algo.overlong_penalty,
@@ -60,10 +63,7 @@ async def _close(obj: Any) -> None:
 def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
     """The episode rollout of an environment task, rendering the environment's turns with the model's chat
     template (the tokenizer of model.path)."""
-    from transformers import AutoTokenizer
-
-    from inflight.actor.episode import EpisodeConfig, episode_rollout
-    from inflight.actor.turns import TurnRenderer
+    from transformers import AutoTokenizer  # lazy: ~1.5 s to import; only a multi-turn task renders turns
 
     t = run_cfg.task
     render = TurnRenderer(AutoTokenizer.from_pretrained(run_cfg.model.path))
@@ -77,8 +77,6 @@ def served_names(run_cfg: Any) -> Callable[[int], str | None] | None:
     t = getattr(run_cfg, "trainer", None)
     if t is None or t.lora is None:
         return None
-    from inflight.trainer.protocols import protocol_of  # only a LoRA run asks its protocol how versions are named
-
     if not getattr(protocol_of(run_cfg), "ADAPTER_PER_VERSION", False):
         return None
     from inflight.trainer.config import served_adapter_name
@@ -98,8 +96,6 @@ async def open_actor(
     rewards: Any = None,  # a ready reward service; None = build one from the config (and close it after)
     resume: dict[str, Any] | None = None,  # {"next_group", "skipped", "version"} of a trainer checkpoint
 ) -> AsyncIterator[Actor]:
-    from inflight.tasks import get_task
-
     a = run_cfg.actor
     task = get_task(run_cfg.task)
     episodes = rollout is default_rollout and hasattr(task, "make_env")  # a multi-turn task: one sample per episode

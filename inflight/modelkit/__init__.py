@@ -8,7 +8,7 @@ __all__ = ["SIZES", "count_params", "make_model"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from inflight.modelkit import build
+        from inflight.modelkit import build  # lazy: torch + transformers, which `get-model` on a ready folder skips
 
         return getattr(build, name)
     raise AttributeError(f"module 'inflight.modelkit' has no attribute {name!r}")

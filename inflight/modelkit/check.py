@@ -27,7 +27,7 @@ def has_chat_template(model_dir: str | Path) -> bool:
 def check_model_dir(model_dir: str | Path, need_chat_template: bool = False) -> None:
     """ValueError naming the problem and the fix: not a Hugging Face folder, not a causal LM (by its config's
     model_type), or (need_chat_template) a tokenizer without a chat template."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # lazy: loads torch (seconds)
 
     d = Path(model_dir)
     if not d.is_dir():

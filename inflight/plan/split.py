@@ -88,10 +88,10 @@ def colocated(profile: Profile, base: SimConfig, gpus: int, per_server: int) -> 
 
 
 def plot(path: str, pipelined: list[Choice], sync: list[Choice], coloc: Choice | None, gpus: int, source: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: ~1 s to import; only --plot draws
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as matplotlib above
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     for choices, name in ((pipelined, "pipelined"), (sync, "sync (split)")):

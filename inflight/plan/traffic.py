@@ -25,7 +25,12 @@ import random
 import statistics
 from typing import Any
 
+import torch
+
+from inflight.engine.core import InferenceEngine
+from inflight.engine.sampling import SamplingParams
 from inflight.plan.profile import EngineProfile
+from inflight.tasks import get_task
 
 
 def _curve_s(profile: EngineProfile, trace: list[tuple[int, int, int, float]]) -> float:
@@ -42,12 +47,6 @@ def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, g
     """(factor, details): see the module docstring. `cfg`: RunConfig (model, task, server threads and sizes, the
     actor's group size, max_new_tokens and temperature). Each round runs `groups_per_round` groups (default: enough
     for a few hundred steady steps) and a plain batch."""
-    import torch
-
-    from inflight.engine.core import InferenceEngine
-    from inflight.engine.sampling import SamplingParams
-    from inflight.tasks import get_task
-
     srv, act = cfg.server, cfg.actor
     if srv.threads > 0:
         torch.set_num_threads(srv.threads)

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from inflight.algo import truncation
 from inflight.contracts import TaskSample, Verdict, Verification
 from inflight.rewards.pool import KillablePool, log
+from inflight.tasks import get_task
 from inflight.tasks.config import TaskConfig
 
 # (completion text, the TaskSample it answers, finish_reason, completion tokens, max new tokens of the request)
@@ -51,8 +52,6 @@ def _build_verifier(task_cfg: TaskConfig, verify_fn: str | None) -> Callable[[li
     if verify_fn:
         verify = import_object(verify_fn)
     else:
-        from inflight.tasks import get_task
-
         verify = get_task(task_cfg).verify
 
     def run(items: list[tuple[str, TaskSample, str]]) -> list[tuple[str, Any]]:

@@ -1,36 +1,32 @@
 """Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | arith_tool | math_jsonl |
 reasoning_gym | verifiers). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers) runs multi-turn
-episodes."""
+episodes. Each task module imports its heavy or optional library (math-verify, reasoning-gym, verifiers) only when
+that task is built or scores."""
 
 from __future__ import annotations
 
 from inflight.contracts import Task
+from inflight.tasks.arith import ArithTask
+from inflight.tasks.arith_tool import ArithToolTask
 from inflight.tasks.config import TaskConfig
+from inflight.tasks.math_jsonl import MathJsonlTask
+from inflight.tasks.reasoning_gym_task import ReasoningGymTask
+from inflight.tasks.verifiers_env import VerifiersTask
 
 TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers")
 
 
 def get_task(cfg: TaskConfig) -> Task:
-    """Build the task named by cfg.name (imports only that task's dependencies)."""
+    """Build the task named by cfg.name."""
     if cfg.name == "arith":
-        from inflight.tasks.arith import ArithTask
-
         return ArithTask(cfg)
     if cfg.name == "arith_tool":
-        from inflight.tasks.arith_tool import ArithToolTask
-
         return ArithToolTask(cfg)
     if cfg.name == "math_jsonl":
-        from inflight.tasks.math_jsonl import MathJsonlTask
-
         return MathJsonlTask(cfg)
     if cfg.name == "reasoning_gym":
-        from inflight.tasks.reasoning_gym_task import ReasoningGymTask
-
         return ReasoningGymTask(cfg)
     if cfg.name == "verifiers":
-        from inflight.tasks.verifiers_env import VerifiersTask
-
         return VerifiersTask(cfg)
     raise ValueError(f"unknown task '{cfg.name}'; choose one of {list(TASKS)}")
 

@@ -31,7 +31,7 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"math_jsonl: no such file: {path}")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional dependency, only for parquet files
+        import pyarrow.parquet as pq  # lazy: pyarrow costs ~0.3 s to import and only parquet files need it
 
         return pq.read_table(path).to_pylist()
     if path.suffix not in (".jsonl", ".json"):
@@ -101,7 +101,7 @@ class MathJsonlTask:
         boxed = final_boxed(completion, MATH_TRAILER)
         if boxed is None or not boxed.strip():
             return unanswered(finish_reason)
-        from math_verify import parse, verify
+        from math_verify import parse, verify  # lazy: ~1 s to import; only scoring needs it, not the actor
 
         # math-verify times out with signals, which only work on the main thread
         main = threading.current_thread() is threading.main_thread()

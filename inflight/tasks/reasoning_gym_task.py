@@ -10,6 +10,7 @@ after it); otherwise `no_answer` (`truncated` when cut off by the length limit).
 
 from __future__ import annotations
 
+import difflib
 from functools import lru_cache
 from typing import Any, Iterator
 
@@ -24,7 +25,7 @@ UNSUPPORTED = {"composite": "it mixes other datasets and needs their list; name 
 
 @lru_cache(maxsize=64)
 def _dataset(name: str, seed: int, size: int) -> Any:
-    import reasoning_gym
+    import reasoning_gym  # lazy: ~2.5 s to import (every dataset); only this task needs it
 
     return reasoning_gym.create_dataset(name, seed=seed, size=size)
 
@@ -33,15 +34,13 @@ class ReasoningGymTask:
     name = "reasoning_gym"
 
     def __init__(self, cfg: TaskConfig):
-        from reasoning_gym.factory import DATASETS
+        from reasoning_gym.factory import DATASETS  # lazy: as reasoning_gym above (seconds to import)
 
         if cfg.answer_format != "boxed":  # its prompts ask for \boxed{}
             raise ValueError(f"reasoning_gym: task.answer_format must be 'boxed', got {cfg.answer_format!r}")
         if cfg.dataset in UNSUPPORTED:
             raise ValueError(f"reasoning_gym: dataset '{cfg.dataset}' is not supported: {UNSUPPORTED[cfg.dataset]}")
         if cfg.dataset not in DATASETS:
-            import difflib
-
             close = difflib.get_close_matches(cfg.dataset, list(DATASETS), n=3)
             raise ValueError(f"reasoning_gym: unknown dataset '{cfg.dataset}'; close names: {close}")
         self.cfg = cfg

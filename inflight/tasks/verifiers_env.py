@@ -77,14 +77,14 @@ def _own_signals() -> Iterator[None]:
 def load_vf_environment(env: str, env_args: dict[str, Any]) -> Any:
     """`vf.load_environment(env, **env_args)`; `env` may also be a .py file defining load_environment."""
     try:
-        import verifiers as vf
+        import verifiers as vf  # lazy: optional dependency (pip install 'inflight-rl[verifiers]')
     except ImportError as e:
         raise VerifiersError("task.name=verifiers needs the verifiers package: pip install 'inflight-rl[verifiers]'"
                              ) from e
     if not env:
         raise VerifiersError("task.name=verifiers: set task.env to an environment id, a module or a .py file")
     try:  # environments build their datasets at load: no progress bars in the actor's log
-        from datasets.utils.logging import disable_progress_bar
+        from datasets.utils.logging import disable_progress_bar  # lazy: optional (comes with verifiers), ~2 s
 
         disable_progress_bar()
     except ImportError:
@@ -238,7 +238,7 @@ class VerifiersEpisode:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
     async def _reset(self, sample: TaskSample) -> list[dict[str, str]]:
-        from verifiers.utils.message_utils import maybe_normalize_messages
+        from verifiers.utils.message_utils import maybe_normalize_messages  # lazy: optional dependency (verifiers)
 
         env = self.env
         row = sample.meta["vf_row"]
@@ -261,8 +261,8 @@ class VerifiersEpisode:
         return messages
 
     async def _step(self, reply: str) -> StepResult:
-        from verifiers.types import Response, ResponseMessage, ToolCall
-        from verifiers.utils.message_utils import maybe_normalize_messages
+        from verifiers.types import Response, ResponseMessage, ToolCall  # lazy: optional dependency (verifiers)
+        from verifiers.utils.message_utils import maybe_normalize_messages  # lazy: optional dependency (verifiers)
 
         env, state = self.env, self.state
         calls = [ToolCall(id=f"call_{self.tool_calls + i}", name=n, arguments=a)
@@ -313,7 +313,7 @@ def _key(m: Any) -> tuple[str, str]:
 def _client() -> Any:
     """The state's model client (init_state wants a vf.Client): inflight generates every model turn, so an
     environment that calls the model itself fails its episode with this message."""
-    import verifiers as vf
+    import verifiers as vf  # lazy: optional dependency (verifiers)
 
     class NoModel(vf.Client):  # every abstract method
         def setup_client(self, config):  # noqa: ANN001

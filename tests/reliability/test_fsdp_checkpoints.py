@@ -4,47 +4,28 @@ the same HF folder (config, generation config, tied weights) as the model it sta
 optimizer state to rank 0 only, and every rank ends with exactly its shard of the saved state."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.reliability.pipeline_helpers import free_port
+from tests.trainer.cpu_collectives import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_checkpoint_worker.py")
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tied_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_ckpt")
-    run, out, port, procs = tmp / "run", tmp / "out", free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("fsdp_checkpoint_worker.py")), str(tied_model_dir),
-             str(run), str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("FSDP2 ranks timed out")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return run, out, [p.returncode for p in procs], logs
+    run, out = tmp / "run", tmp / "out"
+    run_ranks(WORKER, [tied_model_dir, run, out])  # fails both tests unless every rank exits 0
+    return run, out
 
 
 @pytest.mark.slow  # ~35 s: two processes build two sharded trainers each and write four checkpoints
 def test_resumed_fsdp2_run_keeps_checkpointing(resumed_run, tied_model_dir):
-    run, out, codes, logs = resumed_run
-    assert codes == [0, 0], "\n".join(x[-3000:] for x in logs)
+    run, out = resumed_run
     ckpts = run / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000003", "step_000004"]  # step_000001 pruned
     final = torch.load(f"{out}.pt", weights_only=True)
@@ -59,7 +40,7 @@ def test_resumed_fsdp2_run_keeps_checkpointing(resumed_run, tied_model_dir):
 
 @pytest.mark.slow
 def test_resume_loads_optimizer_state_on_rank0_only(resumed_run):
-    run, out, codes, logs = resumed_run
+    run, out = resumed_run
     got = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     assert got[0]["handed"] == [got[0]["params"]] and got[1]["handed"] == [0], got  # rank 1 reads no optimizer state
     for g in got:  # every rank holds exactly its shard of the saved moments

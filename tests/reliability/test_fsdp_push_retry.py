@@ -4,52 +4,28 @@ the weights once for the push (a retry never re-enters the collective), and the 
 exactly the gathered weights (its logprobs against a float64 reference)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from inflight.engine.serve import ServerProcess
-from tests.reliability.pipeline_helpers import free_port, records
+from tests.reliability.pipeline_helpers import records
 from tests.reliability.test_weight_update_faults import SERVE
 from tests.test_lora_push import max_error
+from tests.trainer.cpu_collectives import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_push_worker.py")
 
 
 @pytest.mark.slow  # two server start-ups and two sharded trainers (~40 s on 2 shared cores)
 def test_fsdp2_push_refused_once_is_retried(tiny_model_dir, tmp_path):
     out, run = tmp_path / "rank0.pt", tmp_path / "run"
     server = ServerProcess(str(tiny_model_dir), extra_args=SERVE)
-    port, procs = free_port(), []
     try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(
-                [sys.executable, str(Path(__file__).with_name("fsdp_push_worker.py")), str(tiny_model_dir), str(run),
-                 str(out), server.url, str(server.proc.pid)],
-                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                pytest.fail("FSDP2 ranks timed out (a rank left waiting in a gather?)")
-            if p.returncode != 0:  # the other rank would wait for it in a collective
-                for q in procs:
-                    q.kill()
-                break
-        assert all(p.returncode == 0 for p in procs), "\n".join(x[-4000:] for x in logs)
+        run_ranks(WORKER, [tiny_model_dir, run, out, server.url, server.proc.pid],
+                  hung="FSDP2 ranks timed out (a rank left waiting in a gather?)", tail=4000)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         server.stop()
 
     retries = records(run, "weight_sync_retry")

@@ -2,40 +2,21 @@
 resumed from the checkpoint takes the same 2 steps to the same weights (within 1e-6), and one resumed without the
 optimizer state ends elsewhere (so the test can fail)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from inflight.pipeline import checkpoint as ckpt
-from tests.reliability.pipeline_helpers import free_port
+from tests.trainer.cpu_collectives import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_resume_worker.py")
 
 
 @pytest.mark.slow  # ~35 s: two processes build three sharded trainers each
 def test_fsdp2_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     out, run = tmp_path / "rank0.pt", tmp_path / "run"
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("fsdp_resume_worker.py")), str(tiny_model_dir), str(run),
-             str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("FSDP2 ranks timed out")
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    run_ranks(WORKER, [tiny_model_dir, run, out])
     got = torch.load(out, weights_only=True)
 
     path = run / "checkpoints" / "step_000002"

@@ -2,9 +2,6 @@
 tied embeddings (the untied path runs in the FSDP2 resume tests): the shared tensor is sharded once, named once in
 named_weights() (the contract's canonical name), and save() writes a folder that loads tied."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,33 +10,12 @@ import torch
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
-from tests.reliability.pipeline_helpers import free_port
 
+from .cpu_collectives import run_ranks
 from .fsdp_worker import BUDGET, CFG, step_samples
 from .helpers import ReinforceLoss
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run_ranks(model_dir, out, *extra: str) -> None:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("fsdp_worker.py")), str(model_dir), str(out), *extra],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("FSDP2 ranks timed out")
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
 def _single_steps(model_dir, got, cfg, loss_fn):
@@ -66,7 +42,7 @@ def _single_steps(model_dir, got, cfg, loss_fn):
 def test_fsdp2_two_ranks_equal_single(tied_model_dir, tmp_path):
     tiny_model_dir = tied_model_dir
     out = tmp_path / "rank0.pt"
-    _run_ranks(tiny_model_dir, out)
+    run_ranks(WORKER, [tiny_model_dir, out])
     got = torch.load(out, weights_only=True)
     assert got["version"] == 3
 
@@ -97,7 +73,7 @@ def test_fsdp2_lora_two_ranks_equal_single(tiny_model_dir, tmp_path):
     from .fsdp_worker import LORA
 
     out = tmp_path / "rank0.pt"
-    _run_ranks(tiny_model_dir, out, "lora")
+    run_ranks(WORKER, [tiny_model_dir, out, "lora"])
     got = torch.load(out, weights_only=True)
     assert got["version"] == 3
     single, initial = _single_steps(tiny_model_dir, got, TrainerConfig(**CFG, lora=LoraConfig(**LORA)),

@@ -1,9 +1,6 @@
 """An FSDP2 rank with no trainable samples (all masked by algo.truncated=mask, or fewer groups than ranks) still
 joins every collective of the step: 2 gloo ranks, rank 1 empty, give the single-process step on all the samples."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,35 +9,19 @@ import torch
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
-from tests.reliability.pipeline_helpers import free_port
 
+from .cpu_collectives import run_ranks
 from .fsdp_empty_rank_worker import BUDGET, CFG, step_samples
 from .helpers import ReinforceLoss
 
-ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_empty_rank_worker.py")
 
 
 @pytest.mark.slow  # ~30 s: two processes load the model and take one step
 def test_fsdp2_rank_without_samples(tiny_model_dir, tmp_path):
-    out, port, procs = tmp_path / "rank0.pt", free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("fsdp_empty_rank_worker.py")), str(tiny_model_dir),
-             str(out)], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail("FSDP2 ranks hung: the rank without samples missed a collective")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    out = tmp_path / "rank0.pt"
+    run_ranks(WORKER, [tiny_model_dir, out], timeout=150,
+              hung="FSDP2 ranks hung: the rank without samples missed a collective")
     got = torch.load(out, weights_only=True)
 
     torch.set_num_threads(1)

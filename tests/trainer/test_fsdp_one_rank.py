@@ -2,9 +2,6 @@
 the single-device trainer's optimizer step: weights after one step equal, as they do with sharding forced on
 (trainer.fsdp_shard_one_rank)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +10,16 @@ import torch
 from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
-from tests.reliability.pipeline_helpers import free_port
 
+from .cpu_collectives import run_ranks
 from .fsdp_worker import BUDGET, CFG, step_samples
 from .helpers import ReinforceLoss
 
-ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("fsdp_one_rank_worker.py")
 
 
 def _one_rank(model_dir, out, *extra):
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(Path(__file__).with_name("fsdp_one_rank_worker.py")), str(model_dir),
-                        str(out), *extra], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    run_ranks(WORKER, [model_dir, out, *extra], world_size=1, hung="the FSDP2 rank timed out")
     return torch.load(out, weights_only=True)
 
 
