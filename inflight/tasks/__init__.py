@@ -1,5 +1,5 @@
 """Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | arith_tool | math_jsonl |
-reasoning_gym | verifiers). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers) runs multi-turn
+reasoning_gym | verifiers | openenv). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers) runs multi-turn
 episodes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from inflight.contracts import Task
 from inflight.tasks.config import TaskConfig
 
-TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers")
+TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers", "openenv")
 
 
 def get_task(cfg: TaskConfig) -> Task:
@@ -32,6 +32,10 @@ def get_task(cfg: TaskConfig) -> Task:
         from inflight.tasks.verifiers_env import VerifiersTask
 
         return VerifiersTask(cfg)
+    if cfg.name == "openenv":
+        from inflight.tasks.openenv_env import OpenEnvTask  # lazy: only the named task's dependencies
+
+        return OpenEnvTask(cfg)
     raise ValueError(f"unknown task '{cfg.name}'; choose one of {list(TASKS)}")
 
 
