@@ -124,8 +124,8 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
     label, finish, reply = "truncated", "length", ""
     try:
         opener = getattr(env, "open", None)  # optional: waits for what the episode needs (a session), untimed
-        if callable(opener):
-            await opener()
+        if callable(opener) and inspect.isawaitable(opening := opener()):
+            await opening
         messages = await _call(env.reset, ts, ecfg.env_timeout_s)
         c = (await client.chat(list(messages), n=1))[0]
         prompt_ids = list(c.prompt_ids)

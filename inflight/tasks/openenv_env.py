@@ -46,13 +46,15 @@ class OpenEnvError(ValueError):
     """The OpenEnv task cannot run with these settings (bad env_args, no server)."""
 
 
-def _client_class() -> Any:
+def _client_class() -> tuple[Any, type[BaseException]]:
+    """openenv's GenericEnvClient, and the error its websockets connection raises when the server closed it."""
     try:
         from openenv.core.generic_client import GenericEnvClient  # lazy: openenv-core is optional (gradio, fastmcp)
+        from websockets.exceptions import ConnectionClosed  # lazy: comes with openenv-core
     except ImportError as e:
         raise OpenEnvError("task.name=openenv needs openenv-core in this environment: pip install openenv-core"
                            ) from e
-    return GenericEnvClient
+    return GenericEnvClient, ConnectionClosed
 
 
 def load_callable(spec: Any, key: str) -> Callable[..., Any]:
@@ -122,7 +124,7 @@ class OpenEnvTask:
         self.render = load_callable(args["renderer"], "renderer")
         self.render_context = _takes_context(self.render)
         self.parse = load_callable(args["action_parser"], "action_parser")
-        self.client_cls = _client_class()
+        self.client_cls, self.closed_error = _client_class()
         if cfg.eval_size < 0 or cfg.eval_size >= SEED_SPACE:
             raise OpenEnvError(f"task.eval_size must be in [0, {SEED_SPACE})")
         check_server(cfg.env, cfg.env_timeout_s)
@@ -199,11 +201,14 @@ class OpenEnvEpisode:
         await self.client.connect()
         try:
             res = await self.client.reset(seed=sample.meta["seed"], **self.task.reset_args)
-        except RuntimeError as e:  # the client's "Server error: ... (code: ...)"
-            if "CAPACITY_REACHED" in str(e):
-                raise OpenEnvError(f"{e}: the server allows fewer sessions at once than task.env_args.max_sessions="
-                                   f"{self.task.max_sessions}; lower it to the server's max_concurrent_envs") from e
-            raise
+        except (RuntimeError, self.task.closed_error) as e:
+            # a server at capacity answers a new session with an error (the client's "Server error: ... (code:
+            # CAPACITY_REACHED)") and closes it, which the client may see first
+            if isinstance(e, RuntimeError) and "CAPACITY_REACHED" not in str(e):
+                raise
+            raise OpenEnvError(f"the server refused the session ({type(e).__name__}: {e}): it allows fewer sessions at "
+                               f"once than task.env_args.max_sessions={self.task.max_sessions} (0: no limit); set "
+                               "it to the server's max_concurrent_envs at most") from e
         if res.done:
             raise OpenEnvError("the environment ended the episode at reset, before the first turn")
         return self._messages(res.observation, "reset")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import httpx
-import pytest
 
 from tests.reliability.pipeline_helpers import free_port
 
@@ -25,14 +25,16 @@ SKIP_REASON = "needs openenv-core: the OpenEnv test venv (make test-openenv, scr
 def guess_server(max_sessions: int) -> Iterator[str]:
     """The guessing game's OpenEnv server on a free port; yields its URL."""
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: an unread pipe that fills up stalls the server
     proc = subprocess.Popen([sys.executable, "-m", "tests.openenv_task.guess_env", "--port", str(port), "--max-sessions",
-                             str(max_sessions)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(max_sessions)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120  # openenv's import (gradio, fastmcp) takes ~10 s on a busy host
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the OpenEnv server exited: {proc.stdout.read()[-3000:]}")
+                log.seek(0)
+                raise RuntimeError(f"the OpenEnv server exited: {log.read()[-3000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -49,3 +51,4 @@ def guess_server(max_sessions: int) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
