@@ -112,12 +112,17 @@ class OpenEnvTask:
         self.reward_mode = args.get("reward", "sum")
         if self.reward_mode not in REWARDS:
             raise OpenEnvError(f"task.env_args.reward={self.reward_mode!r}: choose one of {list(REWARDS)}")
-        self.reset_args = dict(args.get("reset_args") or {})
+        reset_args = args.get("reset_args") or {}
+        if not hasattr(reset_args, "keys"):
+            raise OpenEnvError(f"task.env_args.reset_args must be a mapping of reset's keyword arguments, got "
+                               f"{reset_args!r}")
+        self.reset_args = dict(reset_args)
         if "seed" in self.reset_args:
             raise OpenEnvError("task.env_args.reset_args: 'seed' is set per episode (held-out: 0 .. eval_size-1)")
-        self.max_sessions = int(args.get("max_sessions", 1))
-        if self.max_sessions < 0:
-            raise OpenEnvError("task.env_args.max_sessions must be >= 0 (0 = no limit)")
+        self.max_sessions = args.get("max_sessions", 1)
+        if not isinstance(self.max_sessions, int) or self.max_sessions < 0:
+            raise OpenEnvError(f"task.env_args.max_sessions must be an integer >= 0 (0 = no limit), got "
+                               f"{self.max_sessions!r}")
         for key in ("renderer", "action_parser"):
             if key not in args:
                 raise OpenEnvError(f"task.name=openenv needs task.env_args.{key} ('package.module:function')")

@@ -73,6 +73,8 @@ def test_more_episodes_than_sessions_wait_for_one_unlimited_ones_are_refused(env
     ({"rendrer": f"{AGENT}:render"}, r"unknown key\(s\) \['rendrer'\]"),
     ({"reward": "mean"}, "reward='mean': choose one of"),
     ({"reset_args": {"seed": 3}}, "'seed' is set per episode"),
+    ({"reset_args": [1]}, "reset_args must be a mapping"),
+    ({"max_sessions": -1}, "max_sessions must be an integer >= 0"),
 ])
 def test_bad_env_args_fail_at_start(env_url, change, message):
     with pytest.raises(OpenEnvError, match=message):
