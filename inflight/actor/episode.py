@@ -23,7 +23,8 @@ to the reward service. An environment call that raises or runs past `env_timeout
 (reward 0, label `error`, meta["env_error"]); the episode's tokens so far are still a valid sample. An episode
 that runs out of turns, tokens (`max_tokens`) or the server's context without `done` is `truncated` (reward 0,
 finish_reason "length", so `algo.truncated: mask` leaves it out of the loss). An environment with a `close()`
-method gets it called once when its episode ends, however it ended (bounded by the same timeout).
+method gets it called once when its episode ends, however it ended (bounded by the same timeout); one with an
+async `open()` gets it awaited before reset, without the timeout (a wait for a free session of a server).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
     prompt_ids: list[int] = []
     label, finish, reply = "truncated", "length", ""
     try:
+        opener = getattr(env, "open", None)  # optional: waits for what the episode needs (a session), untimed
+        if callable(opener) and inspect.isawaitable(opening := opener()):
+            await opening
         messages = await _call(env.reset, ts, ecfg.env_timeout_s)
         c = (await client.chat(list(messages), n=1))[0]
         prompt_ids = list(c.prompt_ids)

@@ -1,7 +1,7 @@
 """Tasks with verifiable rewards: `get_task(cfg)` returns one by `cfg.name` (arith | arith_tool | math_jsonl |
-reasoning_gym | verifiers). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers) runs multi-turn
-episodes. Each task module imports its heavy or optional library (math-verify, reasoning-gym, verifiers) only when
-that task is built or scores."""
+reasoning_gym | verifiers | openenv). A task with `make_env` (contracts.EnvTask, e.g. arith_tool, verifiers, openenv)
+runs multi-turn episodes. Each task module imports its heavy or optional library (math-verify, reasoning-gym,
+verifiers, openenv-core) only when that task is built or scores."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from inflight.tasks.arith import ArithTask
 from inflight.tasks.arith_tool import ArithToolTask
 from inflight.tasks.config import TaskConfig
 from inflight.tasks.math_jsonl import MathJsonlTask
+from inflight.tasks.openenv_env import OpenEnvTask
 from inflight.tasks.reasoning_gym_task import ReasoningGymTask
 from inflight.tasks.verifiers_env import VerifiersTask
 
-TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers")
+TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers", "openenv")
 
 
 def get_task(cfg: TaskConfig) -> Task:
@@ -28,6 +29,8 @@ def get_task(cfg: TaskConfig) -> Task:
         return ReasoningGymTask(cfg)
     if cfg.name == "verifiers":
         return VerifiersTask(cfg)
+    if cfg.name == "openenv":
+        return OpenEnvTask(cfg)
     raise ValueError(f"unknown task '{cfg.name}'; choose one of {list(TASKS)}")
 
 

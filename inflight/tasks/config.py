@@ -4,7 +4,7 @@ from typing import Any
 
 @dataclass
 class TaskConfig:
-    name: str = "arith"  # arith | arith_tool | math_jsonl | reasoning_gym | verifiers
+    name: str = "arith"  # arith | arith_tool | math_jsonl | reasoning_gym | verifiers | openenv
     seed: int = 0
     eval_size: int = 200
     # arith
@@ -33,5 +33,7 @@ class TaskConfig:
     # a small instruct model that has never seen the tool calls it in ~10% of samples with it, ~0-2% without
     tool_demo: bool = False
     # verifiers: an environment of the verifiers library (tasks/verifiers_env.py; pip install 'inflight-rl[verifiers]')
-    env: str = ""  # the id of an installed environment package, a python module, or a .py file with load_environment
-    env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
+    # openenv: an OpenEnv environment server (tasks/openenv_env.py; pip install openenv-core); its env_args: renderer,
+    # action_parser ('module:function'), reward (sum | final), reset_args, max_sessions
+    env: str = ""  # verifiers: environment id / module / file.py; openenv: the server's URL (http://host:port)
+    env_args: dict[str, Any] = field(default_factory=dict)  # verifiers: load_environment kwargs; openenv: docs/architecture.md
