@@ -4,8 +4,8 @@ episodes."""
 
 from __future__ import annotations
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import Task
-from inflight.tasks.config import TaskConfig
 
 TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers")
 
