@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.trainer.config import LoraConfig, TrainerConfig  # noqa: E402
+from inflight.config.trainer import LoraConfig, TrainerConfig  # noqa: E402
 from inflight.trainer.single import SingleDeviceTrainer  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2-135m-instruct"

@@ -40,8 +40,8 @@ def build_model(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from inflight.config.tasks import TaskConfig
     from inflight.modelkit.build import make_model
-    from inflight.tasks.config import TaskConfig
 
     d = out / "qwen05-shape"
     if (d / "done.json").exists():
@@ -65,9 +65,9 @@ def rank_main(model: str, url: str, bucket_mb: float, out: str) -> None:
     import torch
 
     from inflight.config import RunConfig
+    from inflight.config.trainer import TrainerConfig
     from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
     from inflight.pipeline.metrics import MetricsLogger
-    from inflight.trainer.config import TrainerConfig
     from inflight.trainer.fsdp import FSDP2Trainer
     from inflight.trainer.protocols.inflight import WeightSyncClient
 

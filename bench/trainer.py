@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.contracts import Sample, TrainBatch  # noqa: E402
-from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.packing import PaddedBatch, count_loss_tokens, pack_samples, pad_samples  # noqa: E402
 from inflight.trainer.single import SingleDeviceTrainer  # noqa: E402
 

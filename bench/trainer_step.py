@@ -55,9 +55,9 @@ def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -
     """Runs inside a process whose sys.path starts with the code under test."""
     import torch
 
-    from inflight.algo.config import AlgoConfig
     from inflight.algo.losses import make_loss
-    from inflight.trainer.config import TrainerConfig
+    from inflight.config.algo import AlgoConfig
+    from inflight.config.trainer import TrainerConfig
     from inflight.trainer.packing import count_loss_tokens, pack_samples
     from inflight.trainer.single import SingleDeviceTrainer
 
@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model
         if not model_dir:
             sys.path.insert(0, str(ROOT))
+            from inflight.config.tasks import TaskConfig
             from inflight.modelkit.build import make_model
-            from inflight.tasks.config import TaskConfig
 
             model_dir = str(make_model(TaskConfig(name="arith"), Path(tmp) / "model", size="tiny"))
         sides = {"current": ROOT}

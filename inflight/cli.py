@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not (name == "serve" and backends.get(args.engine).launcher is not None):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only a foreign engine takes unknown options
     args.raw_argv = rest
-    from inflight.heap import retain_freed_memory
+    from inflight.heap import retain_freed_memory  # lazy: start-up cost (ctypes, subprocess): a fast `--help`
 
     retain_freed_memory()  # every command's process (serve, sft, the train launcher); the roles call it too
     return int(module.run(args) or 0)

@@ -134,6 +134,12 @@ def adapter_pairs(params: list[ParamInfo], rank: int) -> dict[str, tuple[ParamIn
     return pairs
 
 
+def served_adapter_name(prefix: str, version: int) -> str:
+    """The name a LoRA run's adapter of `version` is loaded under on stock vLLM servers (trainer.protocol=vllm):
+    requests that name it run under exactly that version (the trainer loads it, the actor asks for it)."""
+    return f"{prefix}-v{int(version)}"
+
+
 class WeightUpdateRequest(_Strict):
     """Announce an update. Exactly one transport: `params` alone (broadcasts from rank 0, in this order: one per
     tensor, or with `bucket_bytes` > 0 one per bucket of `bucket_layout`), `params` with `shm` (a shared-memory

@@ -56,8 +56,8 @@ def build_models(out: Path, tiny: bool, dtype: str, ties: tuple[bool, ...] = (Fa
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from inflight.config.tasks import TaskConfig
     from inflight.modelkit.build import make_model
-    from inflight.tasks.config import TaskConfig
 
     dirs = {}
     for tied in ties:

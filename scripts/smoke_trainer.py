@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.algo.config import AlgoConfig  # noqa: E402
 from inflight.algo.losses import make_loss, merge_stats  # noqa: E402
+from inflight.config.algo import AlgoConfig  # noqa: E402
+from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.contracts import Sample  # noqa: E402
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
-from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.factory import make_trainer  # noqa: E402
 from inflight.trainer.packing import collate, count_loss_tokens  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
 
-# Bottom to top. `config` is the root RunConfig (inflight/config.py); every role's own config.py holds plain
-# dataclasses and sits on the bottom floor too, so every role may read any role's settings.
+# Bottom to top. `config` (inflight/config/) holds the RunConfig and one module of plain dataclasses per role, on the
+# bottom floor, so every role may read any role's settings.
 FLOORS: list[tuple[str, ...]] = [
     ("contracts", "backends", "heap", "host", "native", "finite", "shm_weights", "config"),
     ("cuda_ipc",),  # the same-device transport: the shm layout and header over a CUDA buffer (both ends)
@@ -60,10 +60,8 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _folder(module: str) -> str:
-    """The role folder (or top-level module) a module belongs to; every config module counts as `config`."""
+    """The role folder (or top-level module) a module belongs to."""
     parts = module.split(".")
-    if parts[-1] == "config":
-        return "config"
     return parts[1] if len(parts) > 1 else "inflight"
 
 
@@ -140,7 +138,7 @@ def test_the_circle_finder_finds_circles(graph, circle):
 def test_the_floor_rule_sees_an_upward_import():
     assert "inflight.pipeline.launcher" in GRAPH["inflight.pipeline.train"]  # lazy imports are read too
     assert FLOOR[_folder("inflight.pipeline.launcher")] > FLOOR[_folder("inflight.engine.server")]
-    assert _folder("inflight.trainer.config") == "config"
+    assert _folder("inflight.config.trainer") == "config" and _folder("inflight.pipeline.config_docs") == "pipeline"
 
 
 def _function_imports_without_reason(path: Path, root: Path = PACKAGE.parent) -> list[str]:
@@ -157,7 +155,7 @@ def _function_imports_without_reason(path: Path, root: Path = PACKAGE.parent) ->
     return sorted(set(bad))
 
 
-@pytest.mark.parametrize("folder", sorted({_folder(m) for m in MODULES if _folder(m) != "config"} | {"config"}))
+@pytest.mark.parametrize("folder", sorted({_folder(m) for m in MODULES}))
 def test_imports_inside_functions_say_why(folder):
     """A module's top shows what it depends on; an import inside a function (an optional dependency, a start-up
     cost) carries `# lazy: <reason>` on its line."""

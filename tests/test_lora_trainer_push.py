@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
+from inflight.config.trainer import LoraConfig, TrainerConfig
 from inflight.contracts import Sample
-from inflight.trainer.config import LoraConfig, TrainerConfig
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.protocols.common import WeightSyncError
 from inflight.trainer.protocols.inflight import WeightSyncClient

@@ -20,7 +20,7 @@ MSG = [{"role": "user", "content": "3+4="}]
 
 
 def _trainer(model_dir, lr: float = 5e-2):
-    from inflight.trainer.config import TrainerConfig
+    from inflight.config.trainer import TrainerConfig
     from inflight.trainer.single import SingleDeviceTrainer
 
     t = SingleDeviceTrainer(str(model_dir), TrainerConfig(lr=lr, threads=1))
@@ -112,7 +112,7 @@ def test_trainer_step_of_a_tied_model_pushed_server_matches_trainer(server, tied
     """A real optimizer step on the tied model, named_weights() broadcast: the server's logprobs equal the trainer's
     own forward (1e-4), the embedding changed, and the server's (packed) head changed with it."""
     from inflight.algo import make_loss
-    from inflight.algo.config import AlgoConfig
+    from inflight.config.algo import AlgoConfig
     from inflight.contracts import Sample
     from inflight.trainer.packing import pack_samples
 

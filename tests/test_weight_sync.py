@@ -216,9 +216,9 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
     """The trainer contract end to end: a real optimizer step of SingleDeviceTrainer, its named_weights() pushed to
     the running server; the server's logprobs of a completion equal the trainer's own forward_logprobs (1e-4)."""
     from inflight.algo import make_loss
-    from inflight.algo.config import AlgoConfig
+    from inflight.config.algo import AlgoConfig
+    from inflight.config.trainer import TrainerConfig
     from inflight.contracts import Sample
-    from inflight.trainer.config import TrainerConfig
     from inflight.trainer.packing import pack_samples
     from inflight.trainer.single import SingleDeviceTrainer
 

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from inflight.actor.config import ActorConfig
 from inflight.actor.evaluate import evaluate
 from inflight.actor.rollout import RolloutClient, RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
+from inflight.config.actor import ActorConfig
 from inflight.contracts import Group, Stream, Task, TaskSample, Verification
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient, RolloutFn
 from inflight.actor.server_pool import BadRequest
 from inflight.actor.turns import TemplateError, TurnRenderer
+from inflight.config.actor import ActorConfig
 from inflight.contracts import Environment, Sample, StepResult, TaskSample
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from typing import Any, Awaitable, Callable
 
 from inflight import backends
 from inflight.actor.adapters import Completion
-from inflight.actor.config import ActorConfig
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.server_pool import ServerPool
 from inflight.algo.truncation import is_truncated
+from inflight.config.actor import ActorConfig
 from inflight.contracts import Sample, Task, TaskSample, Verdict, Verification
 
 

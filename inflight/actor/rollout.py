@@ -29,8 +29,8 @@ from typing import Any, Awaitable, Callable
 
 from inflight import backends
 from inflight.actor.adapters import Completion, ResponseError
-from inflight.actor.config import ActorConfig
 from inflight.actor.server_pool import ServerPool
+from inflight.config.actor import ActorConfig
 from inflight.contracts import Sample, TaskSample
 
 

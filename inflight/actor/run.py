@@ -24,14 +24,15 @@ from inflight.actor.episode import EpisodeConfig, episode_rollout
 from inflight.actor.rollout import RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
 from inflight.actor.turns import TurnRenderer
-from inflight.contracts import Stream
+from inflight.config import RunConfig
+from inflight.contracts import Stream, served_adapter_name
 from inflight.heap import freeze_startup_objects
 from inflight.rewards import RewardService
 from inflight.tasks import get_task
 from inflight.trainer.protocols import protocol_of
 
 
-def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
+def pipeline_limits(run_cfg: RunConfig) -> tuple[int, float]:
     """(max_groups, max_seconds) from pipeline.max_steps / max_samples / max_minutes; 0 = no limit.
     The actor produces exactly what the trainer will consume: max_steps × groups_per_step groups."""
     p, a = run_cfg.pipeline, run_cfg.actor
@@ -43,7 +44,7 @@ def pipeline_limits(run_cfg: Any) -> tuple[int, float]:
     return (min(limits) if limits else 0), p.max_minutes * 60.0
 
 
-def make_rewards(run_cfg: Any) -> Any:
+def make_rewards(run_cfg: RunConfig) -> Any:
     a, algo = run_cfg.actor, run_cfg.algo
     return RewardService(run_cfg.task, workers=a.reward_workers, timeout_s=a.reward_timeout_s,
                          truncated=algo.truncated, overlong_penalty=algo.overlong_penalty,
@@ -60,7 +61,7 @@ async def _close(obj: Any) -> None:
             return
 
 
-def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
+def env_rollout(run_cfg: RunConfig, task: Any) -> RolloutFn:
     """The episode rollout of an environment task, rendering the environment's turns with the model's chat
     template (the tokenizer of model.path)."""
     from transformers import AutoTokenizer  # lazy: ~1.5 s to import; only a multi-turn task renders turns
@@ -71,7 +72,7 @@ def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
         max_turns=t.max_turns, max_tokens=t.max_episode_tokens, env_timeout_s=t.env_timeout_s))
 
 
-def served_names(run_cfg: Any) -> Callable[[int], str | None] | None:
+def served_names(run_cfg: RunConfig) -> Callable[[int], str | None] | None:
     """A LoRA run on stock vLLM servers (trainer.protocol=vllm): version v > 0 is served as its own adapter name
     (trainer/protocols/vllm_lora.py), version 0 as the base model; else None (the servers report versions)."""
     t = getattr(run_cfg, "trainer", None)
@@ -79,15 +80,13 @@ def served_names(run_cfg: Any) -> Callable[[int], str | None] | None:
         return None
     if not getattr(protocol_of(run_cfg), "ADAPTER_PER_VERSION", False):
         return None
-    from inflight.trainer.config import served_adapter_name
-
     prefix = t.lora.served_name
     return lambda v: served_adapter_name(prefix, v) if v > 0 else None
 
 
 @asynccontextmanager
 async def open_actor(
-    run_cfg: Any,
+    run_cfg: RunConfig,
     server_urls: list[str],
     stream: Stream,
     metrics_sink: MetricsSink | None = None,
@@ -125,7 +124,7 @@ async def open_actor(
 
 
 def run_actor(
-    run_cfg: Any,  # inflight.config.RunConfig
+    run_cfg: RunConfig,
     server_urls: list[str],
     stream: Stream,
     stop_event: Any = None,  # anything with is_set(): threading / multiprocessing / asyncio Event

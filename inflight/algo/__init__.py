@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_WHERE = {"compute_advantages": "advantages", "AlgoConfig": "config", "LOSSES": "losses", "NORMALIZATIONS": "losses",
+from inflight.config.algo import AlgoConfig
+
+_WHERE = {"compute_advantages": "advantages", "LOSSES": "losses", "NORMALIZATIONS": "losses",
           "lag_stats": "losses", "make_loss": "losses", "merge_stats": "losses"}
 
 __all__ = ["AlgoConfig", "LOSSES", "NORMALIZATIONS", "compute_advantages", "lag_stats", "make_loss", "merge_stats"]

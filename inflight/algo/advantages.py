@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from inflight.algo.config import AlgoConfig
+from inflight.config.algo import AlgoConfig
 
 
 def group_mean(r: list[float]) -> list[float]:

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from inflight.algo import truncation
-from inflight.algo.config import AlgoConfig
+from inflight.config.algo import AlgoConfig
 from inflight.contracts import LossFn, TrainBatch
 
 NORMALIZATIONS = ("sequences", "tokens", "sequence_length")

@@ -18,9 +18,9 @@ from typing import Iterator, TypedDict
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from inflight.config.tasks import TaskConfig
 from inflight.modelkit.tokenizer import ALPHABET, train_tokenizer
 from inflight.tasks import get_task
-from inflight.tasks.config import TaskConfig
 
 
 class Shape(TypedDict):

@@ -31,7 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from inflight.config import RunConfig
+from inflight.trainer.lora import has_adapter
 
 STATE_JSON = "state.json"
 TRAIN_STATE = "train_state.pt"
@@ -61,13 +65,10 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
-    except ImportError:
-        pass
+    legacy = np.random.get_state()  # the legacy tuple form: (kind, keys, pos, has_gauss, gauss)
+    assert isinstance(legacy, tuple)
+    kind, keys, pos, has_gauss, gauss = legacy
+    state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]
     return state
 
 
@@ -78,8 +79,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
-
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
@@ -90,17 +89,17 @@ def is_complete(path: Path) -> bool:
     return not path.name.startswith(".") and (path / STATE_JSON).is_file()
 
 
-def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointState, keep: int = 2) -> Path:
+def save_checkpoint(root: str | Path, name: str, policy: Any, state: CheckpointState, keep: int = 2) -> Path:
     """Write checkpoint `root/name` atomically and prune old step checkpoints; returns its path."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
     try:
-        engine.save(str(tmp))
+        policy.save(str(tmp))
         extra: dict[str, Any] = {"rng": rng_state()}
-        if hasattr(engine, "train_state"):  # optimizer + scheduler (FSDP2: collective, the other ranks call it too)
-            extra.update(engine.train_state())
+        if hasattr(policy, "train_state"):  # optimizer + scheduler (FSDP2: collective, the other ranks call it too)
+            extra.update(policy.train_state())
         torch.save(extra, tmp / TRAIN_STATE)
         (tmp / STATE_JSON).write_text(json.dumps(asdict(state), indent=1))
         old = None
@@ -118,8 +117,8 @@ def save_checkpoint(root: str | Path, name: str, engine: Any, state: CheckpointS
 
 def prune(root: Path, keep: int) -> None:
     # by recorded step, not name: past step 999999 the names outgrow their zero padding and sort wrongly
-    steps = sorted((read_state(p).step, p) for p in root.glob("step_*") if p.is_dir() and is_complete(p))
-    steps = [p for _, p in steps]
+    by_step = sorted((read_state(p).step, p) for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    steps = [p for _, p in by_step]
     for p in steps[: max(0, len(steps) - max(1, keep))]:
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".tmp-*"):  # left by a crash while writing
@@ -138,7 +137,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[2] if found else None
 
 
-def model_folder(cfg: Any, resume_from: str | Path | None) -> str:
+def model_folder(cfg: RunConfig, resume_from: str | Path | None) -> str:
     """The HF folder the trainer and the servers load: the checkpoint's on a resume, but with trainer.lora the
     base (model.path) always: a LoRA checkpoint holds the adapter only, which the trainer loads on top and pushes
     to the servers before the actor starts."""
@@ -147,32 +146,30 @@ def model_folder(cfg: Any, resume_from: str | Path | None) -> str:
     return str(resume_from)
 
 
-def restore_trainer(engine: Any, path: str | Path) -> CheckpointState:
-    """Optimizer, scheduler, RNG states and version of checkpoint `path` into an engine whose weights were loaded
+def restore_trainer(policy: Any, path: str | Path) -> CheckpointState:
+    """Optimizer, scheduler, RNG states and version of checkpoint `path` into a policy whose weights were loaded
     from `path` (make_trainer(path, ...).init()), or, with trainer.lora, from the base and its adapter read here
     (make_trainer(model.path, ...).init()). Returns the checkpoint's state."""
-    from inflight.trainer.lora import has_adapter
-
     state = read_state(path)
-    lora = getattr(engine, "adapter", None) is not None
+    lora = getattr(policy, "adapter", None) is not None
     if has_adapter(path) != lora:
         raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if has_adapter(path) else 'full weights'}: "
                          f"resume it with{'' if has_adapter(path) else 'out'} trainer.lora, as the run was trained")
     if lora:
-        engine.load_adapter(str(path))
+        policy.load_adapter(str(path))
     # FSDP2 reads rank 0's optimizer state only: mapped, not read, the other ranks never bring those tensors in
-    mmap = bool(getattr(engine, "train_state_from_rank0", False))
+    mmap = bool(getattr(policy, "train_state_from_rank0", False))
     extra = torch.load(Path(path) / TRAIN_STATE, map_location="cpu", weights_only=True, mmap=mmap)
-    if hasattr(engine, "load_train_state"):
+    if hasattr(policy, "load_train_state"):
         if "optimizer" not in extra:  # FSDP2 checkpoints written before the optimizer state was saved
             raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot be resumed exactly")
-        engine.load_train_state(extra)
+        policy.load_train_state(extra)
     set_rng_state(extra["rng"])
-    engine.version = state.version
+    policy.version = state.version
     return state
 
 
-def check_compatible(state: CheckpointState, cfg: Any) -> None:
+def check_compatible(state: CheckpointState, cfg: RunConfig) -> None:
     """A resume must keep what the positions mean: groups per step, group size and the prompt order (seed)."""
     a = cfg.actor
     diffs = [f"{k}: checkpoint {old} != config {new}" for k, old, new in (

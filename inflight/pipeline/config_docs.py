@@ -12,8 +12,11 @@ import dataclasses
 import inspect
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
+
+from inflight.config import RunConfig
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -43,8 +46,8 @@ def _comments(cls: type) -> dict[str, str]:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 
@@ -65,14 +68,10 @@ def _type(f: dataclasses.Field) -> str:
 
 def _optional_section(f: dataclasses.Field) -> list[type]:
     """The dataclass of a `Section | None = None` option (its keys are documented under it)."""
-    import typing
-
-    return [a for a in typing.get_args(f.type) if dataclasses.is_dataclass(a)]
+    return [a for a in typing.get_args(f.type) if isinstance(a, type) and dataclasses.is_dataclass(a)]
 
 
 def render() -> str:
-    from inflight.config import RunConfig
-
     lines = [HEADER]
     top = [f for f in dataclasses.fields(RunConfig) if not dataclasses.is_dataclass(_default(f))]
     comments = _comments(RunConfig)
@@ -80,7 +79,7 @@ def render() -> str:
     lines += [f"| `{f.name}` | {_type(f)} | {_fmt(_default(f))} | {comments.get(f.name, '')} |" for f in top]
     for f in dataclasses.fields(RunConfig):
         sub = _default(f)
-        if not dataclasses.is_dataclass(sub):
+        if not dataclasses.is_dataclass(sub) or isinstance(sub, type):
             continue
         cls = type(sub)
         comments = _comments(cls)

@@ -4,9 +4,12 @@ with configs/cpu-demo.yaml; ends by printing where the report is."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from inflight.config import ConfigError, RunConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "cpu-demo.yaml"
@@ -22,13 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. pipeline.max_minutes=2")
 
 
-def prepare_model(cfg, rebuild: bool = False, sft_target: float = 0.25, sft_steps: int = 2000,
+def prepare_model(cfg: RunConfig, rebuild: bool = False, sft_target: float = 0.25, sft_steps: int = 2000,
                   sft_wrong_frac: float = 0.0) -> Path:
     """cfg.model.path holds the warm-started model; its random-init base sits next to it as <path>-base."""
-    import dataclasses
-
-    from inflight.modelkit.build import make_model
-    from inflight.trainer.sft import warm_start
+    from inflight.modelkit.build import make_model  # lazy: start-up cost (torch, transformers): a fast --help
+    from inflight.trainer.sft import warm_start  # lazy: start-up cost, as above
 
     warm = Path(cfg.model.path)
     base = warm.with_name(warm.name + "-base")
@@ -61,9 +62,8 @@ def result_line(summary: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.config import ConfigError, RunConfig, load_config
-    from inflight.pipeline.launch_common import run_dir_of
-    from inflight.pipeline.launcher import run_pipeline
+    from inflight.pipeline.launch_common import run_dir_of  # lazy: start-up cost (torch): fast `--help`
+    from inflight.pipeline.launcher import run_pipeline  # lazy: start-up cost, as above
 
     try:
         cfg = load_config(RunConfig, args.config, args.overrides)

@@ -5,31 +5,35 @@ and the restart limit. It imports neither launcher; `launcher.run_pipeline` pick
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from inflight import backends
-from inflight.config import save_config
+from inflight.config import RunConfig, save_config
+from inflight.config.engine import ServerConfig
+from inflight.modelkit.check import check_model_dir
 from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
 from inflight.pipeline.transport_check import check_weight_transport
+from inflight.trainer.protocols import check_protocol_config
 
 log = logging.getLogger(__name__)
 
 
-def run_dir_of(cfg: Any) -> Path:
+def run_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.pipeline.run_dir) / cfg.name
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RunConfig) -> None:
     p = cfg.pipeline
     if p.mode not in ("pipelined", "sync"):
         raise ValueError(f"pipeline.mode must be 'pipelined' or 'sync', got {p.mode!r}")
@@ -41,7 +45,7 @@ def check_config(cfg: Any) -> None:
         raise ValueError("set at least one of pipeline.max_steps, max_samples, max_minutes")
     if p.wandb:
         try:
-            import wandb  # noqa: F401
+            import wandb  # lazy: optional dependency, only checked for here  # noqa: F401
         except ImportError:
             raise ValueError("pipeline.wandb=true needs the wandb package: pip install wandb") from None
     if cfg.server.engine not in backends.names():
@@ -56,12 +60,10 @@ def check_config(cfg: Any) -> None:
     warn_oversubscribed(cfg)
     if not Path(cfg.model.path).exists():
         raise ValueError(f"model.path '{cfg.model.path}' does not exist (build one with `inflight make-model`)")
-    from inflight.modelkit.check import check_model_dir
-
     check_model_dir(cfg.model.path, need_chat_template=True)  # every task sends chat messages
 
 
-def check_ranks(cfg: Any) -> None:
+def check_ranks(cfg: RunConfig) -> None:
     """FSDP2 deals each step's groups round-robin to the ranks: an uneven share leaves some ranks idle every step."""
     t, gps = cfg.trainer, cfg.actor.groups_per_step
     if t.backend != "fsdp2":
@@ -77,7 +79,7 @@ def check_ranks(cfg: Any) -> None:
 QUEUE_WAIT_STEPS = 512  # a queued sequence waiting this many decode steps or more gets a warning
 
 
-def warn_oversubscribed(cfg: Any) -> None:
+def warn_oversubscribed(cfg: RunConfig) -> None:
     """Sequences the actor keeps in flight beyond what the launched servers decode at once wait in the servers'
     queues, and actor.request_timeout_s counts that wait. Short completions queue cheaply (a queue keeps the batch
     full while replies are built); a sequence that waits for more than QUEUE_WAIT_STEPS decode steps (whole rounds
@@ -101,18 +103,16 @@ def warn_oversubscribed(cfg: Any) -> None:
                     a.max_new_tokens, a.request_timeout_s, max(1, s.max_batch // per_request))
 
 
-def check_lora_run(cfg: Any) -> None:
+def check_lora_run(cfg: RunConfig) -> None:
     """trainer.lora pushes adapters: inflight's protocol (docs/inference-contract.md, "Adapter updates") or stock
     vLLM's runtime LoRA loading (trainer.protocol=vllm, trainer/protocols/vllm_lora.py); not SGLang's. Each
     protocol's module says what it takes (`check_config`)."""
     if cfg.trainer.lora is None:
         return
-    from inflight.trainer.protocols import check_protocol_config
-
     check_protocol_config(cfg)
 
 
-def startup_timeout(cfg: Any) -> float:
+def startup_timeout(cfg: RunConfig) -> float:
     """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
     SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
     if cfg.pipeline.startup_timeout_s > 0:
@@ -124,7 +124,7 @@ def startup_timeout(cfg: Any) -> float:
     return 600.0 + 60.0 * max(0, servers - 1)
 
 
-def actor_config_for(cfg: Any) -> Any:
+def actor_config_for(cfg: RunConfig) -> RunConfig:
     """Sync mode is the staleness bound at num_grad_steps - 1 with weights published once per round: the actor
     then generates exactly one round of groups per published version (see docs/architecture.md)."""
     if cfg.pipeline.mode == "sync":
@@ -132,7 +132,7 @@ def actor_config_for(cfg: Any) -> Any:
     return cfg
 
 
-def server_urls(cfg: Any) -> list[str]:
+def server_urls(cfg: RunConfig) -> list[str]:
     if cfg.pipeline.server_urls:
         return list(cfg.pipeline.server_urls)
     s = cfg.server
@@ -142,21 +142,26 @@ def server_urls(cfg: Any) -> list[str]:
 MAX_RESTARTS = 5  # per server and run: a server that keeps dying is a failure, not a fault to ride out
 
 
-def server_command(cfg: Any, k: int, model: str | None = None, restart: bool = False) -> list[str]:
+def server_command(cfg: RunConfig, k: int, model: str | None = None, restart: bool = False) -> list[str]:
     """`inflight serve` for server k, started by `server.python`; `restart`: the same server behind the weight gate
     (pipeline/restart.py, built-in only). The built-in options map to each engine's own (`engine_options`);
     `server.extra_args` come last, so they override what the mapping set."""
-    s = cfg.server
+    return server_argv(cfg.server, k, str(model or cfg.model.path), cuda=k < len(cfg.pipeline.server_devices),
+                       restart=restart)
+
+
+def server_argv(s: ServerConfig, k: int, model: str, cuda: bool, restart: bool = False) -> list[str]:
+    """`server_command` from the server's own settings: `model` its weights, `cuda` whether it gets a GPU."""
     python = s.python or sys.executable
     entry = ["-m", "inflight.pipeline.restart"] if restart else ["-m", "inflight.cli", "serve"]
-    argv = [python, *entry, "--model", str(model or cfg.model.path), "--host", s.host,
-            "--port", str(s.base_port + k), *engine_options(s, cuda=k < len(cfg.pipeline.server_devices))]
+    argv = [python, *entry, "--model", model, "--host", s.host, "--port", str(s.base_port + k),
+            *engine_options(s, cuda=cuda)]
     if s.api_key:
         argv += ["--api-key", s.api_key]
     return argv + [str(a) for a in s.extra_args]
 
 
-def engine_options(s: Any, cuda: bool) -> list[str]:
+def engine_options(s: ServerConfig, cuda: bool) -> list[str]:
     """`server.*` as the engine's own options: `--engine NAME` for a backend with a launcher of its own, then the
     backend's mapping (its registration's `options`, inflight/backends.py)."""
     backend = backends.get(s.engine)
@@ -188,7 +193,7 @@ def wait_healthy(urls: list[str], children: list[Child], timeout_s: float, api_k
             time.sleep(0.2)
 
 
-def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.CheckpointState | None]:
+def open_run(cfg: RunConfig, resume: bool) -> tuple[RunConfig, Path, Path | None, ckpt.CheckpointState | None]:
     """What every launcher does first: check the config, find (resume) or start afresh the run folder, and save the
     resolved config there. Returns (cfg, run_dir, checkpoint folder or None, its state or None)."""
     check_config(cfg)
@@ -202,13 +207,10 @@ def open_run(cfg: Any, resume: bool) -> tuple[Any, Path, Path | None, ckpt.Check
     return cfg, run_dir, resume_from, state
 
 
-def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
+def prepare_resume(cfg: RunConfig, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]:
     """The newest complete checkpoint of run_dir, checked against cfg; trainer records after it are moved to
     metrics.rolled_back.jsonl (the resumed run trains those steps again, so the record stays one line per step; it
     pushes the checkpoint's version again, so that push's record goes too)."""
-    import json
-    import os
-
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise ValueError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -216,7 +218,8 @@ def prepare_resume(cfg: Any, run_dir: Path) -> tuple[Path, ckpt.CheckpointState]
     ckpt.check_compatible(state, cfg)
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
-        keep, gone = [], []
+        keep: list[str] = []
+        gone: list[str] = []
         for line in metrics.read_text().splitlines(keepends=True):
             try:
                 r = json.loads(line)

@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+from inflight.config import RunConfig
 from inflight.pipeline import checkpoint as ckpt
-from inflight.pipeline.launch_common import (MAX_RESTARTS, open_run, server_command, server_urls, thread_env,
-                                             wait_healthy)
+from inflight.pipeline.launch_common import (
+    MAX_RESTARTS,
+    open_run,
+    server_command,
+    server_urls,
+    thread_env,
+    wait_healthy,
+)
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.procs import Child, ProcessGroup
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.roles import actor_main, trainer_main
 from inflight.pipeline.supervise import RoleFailed, supervise
+from inflight.streams import make_stream
 
 
-def run_pipeline_local(cfg: Any, resume: bool = False) -> int:
+def run_pipeline_local(cfg: RunConfig, resume: bool = False) -> int:
     """Run the whole pipeline; returns 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C.
     `resume`: continue the run in cfg's run folder from its newest checkpoint (docs/reliability.md)."""
-    from inflight.streams import make_stream
-
     cfg, run_dir, resume_from, state = open_run(cfg, resume)
     log = MetricsLogger(run_dir, "launcher")
     log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode,
@@ -85,14 +92,12 @@ def run_pipeline_local(cfg: Any, resume: bool = False) -> int:
     return supervise(cfg, run_dir, log, progress, start, stop)
 
 
-def start_trainer(procs: ProcessGroup, cfg: Any, run_dir: Path, urls: list[str], stream: Any,
+def start_trainer(procs: ProcessGroup, cfg: RunConfig, run_dir: Path, urls: list[str], stream: Any,
                   env: dict[str, str], resume_from: Path | None = None) -> Child:
     """One trainer process, or trainer.num_processes FSDP2 ranks (rank 0 is 'trainer'); returns rank 0."""
     args = (cfg, str(run_dir), urls, stream, str(resume_from) if resume_from else None)
     if cfg.trainer.backend != "fsdp2":
         return procs.start_function("trainer", trainer_main, args, env=env)
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -112,7 +117,7 @@ def _failure_message(child: Child, tail_lines: int) -> str:
             + "".join(f"  | {line}\n" for line in child.tail(tail_lines).splitlines()))
 
 
-def restart_dead_servers(cfg: Any, procs: ProcessGroup, restarts: dict[str, int], log: MetricsLogger) -> None:
+def restart_dead_servers(cfg: RunConfig, procs: ProcessGroup, restarts: dict[str, int], log: MetricsLogger) -> None:
     """Start a dead server again behind the weight gate (it serves only once the trainer pushed it the current
     weights); after MAX_RESTARTS of one server its death fails the run as usual."""
     for child in list(procs.children):

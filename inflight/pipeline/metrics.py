@@ -41,13 +41,13 @@ class MetricsLogger:
         self._fd = os.open(self.run_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # each role its own folder: no shared event file
+            from torch.utils.tensorboard import SummaryWriter  # lazy: start-up cost (tensorboard), only when on
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard" / role))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard" / role))  # a folder per role
         self._wandb = None
         if wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
-            import wandb as wb  # optional dependency
+            import wandb as wb  # lazy: optional dependency (pipeline.wandb)
 
             self._wandb = wb.init(project="inflight", name=f"{self.run_dir.name}-{role}", dir=str(self.run_dir),
                                   config=config or {}, reinit=True)

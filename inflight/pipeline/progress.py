@@ -7,11 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from inflight.config import RunConfig
 from inflight.pipeline.metrics import MetricsTail
 
 
 class Progress:
-    def __init__(self, cfg: Any, enabled: bool = True):
+    def __init__(self, cfg: RunConfig, enabled: bool = True):
         self.enabled = enabled
         self.tail = MetricsTail(Path(cfg.pipeline.run_dir) / cfg.name)
         self.bar = None
@@ -20,8 +23,6 @@ class Progress:
 
     def _bar(self):
         if self.bar is None and self.enabled:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=self.total, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
         return self.bar
 
@@ -45,8 +46,6 @@ class Progress:
                 if r.get("base"):  # the starting weights, measured before any rollout
                     self.state["base"] = f"{100 * r['accuracy']:.1f}%"
                     if self.enabled:
-                        from tqdm import tqdm
-
                         tqdm.write(f"base model held-out accuracy: {100 * r['accuracy']:.1f}% "
                                    f"({r.get('num_problems')} problems, before RL)")
                 self.state["acc"] = f"{100 * r['accuracy']:.1f}%"

@@ -12,15 +12,17 @@ RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH (docs/multi-host.md).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import sys
 from typing import Any
 
+from inflight.config import RunConfig
 from inflight.pipeline.supervise import RoleFailed
 
 
-def role_cpus(cfg: Any) -> dict[str, float]:
+def role_cpus(cfg: RunConfig) -> dict[str, float]:
     """Logical CPUs each role asks Ray for (Ray's bookkeeping, not cores): servers max(1, server.threads), each
     trainer rank max(1, trainer.threads), the actor 1."""
     ranks = cfg.trainer.num_processes if cfg.trainer.backend == "fsdp2" else 1
@@ -31,26 +33,26 @@ def role_cpus(cfg: Any) -> dict[str, float]:
     return out
 
 
-def local_cluster_cpus(cfg: Any) -> int:
+def local_cluster_cpus(cfg: RunConfig) -> int:
     """Logical CPUs of the single-node cluster the run starts: all its roles fit at once (the actor is I/O-bound
     and the roles' threads are set by their own settings, so this over-commits no core), at least os.cpu_count()."""
     return max(int(sum(role_cpus(cfg).values()) + 0.999), os.cpu_count() or 1)
 
 
-def connect(cfg: Any) -> None:
+def connect(cfg: RunConfig) -> None:
     """Join the cluster at `pipeline.ray_address` ('auto' = the one started on this host with `ray start`;
     host:port), or with no address start a single-node cluster for this run, sized to fit its roles."""
     address = cfg.pipeline.ray_address
     if not address and "RAY_AUTH_MODE" not in os.environ:  # the new cluster's processes inherit these
         set_ray_auth({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)})
     try:
-        import ray
+        import ray  # lazy: optional dependency (pipeline.launcher=ray)
     except ImportError:
         raise ValueError("pipeline.launcher=ray needs Ray: pip install 'inflight-rl[ray]'") from None
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return
-    ray.init(address="local", num_cpus=local_cluster_cpus(cfg), log_to_driver=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=local_cluster_cpus(cfg), log_to_driver=False, logging_level=logging.WARNING,
              include_dashboard=False)
 
 
@@ -64,17 +66,17 @@ def set_ray_auth(values: dict[str, str | None]) -> None:
         else:
             os.environ[k] = v
     if "ray" in sys.modules:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray import _raylet  # lazy: optional dependency (imported already here)
 
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        _raylet.Config.initialize("")  # type: ignore[attr-defined]  # missing from ray's _raylet.pyi
+        _raylet.AuthenticationTokenLoader.instance().reset_cache()  # type: ignore[attr-defined]  # as above
 
 
 def placed(calls: dict[str, Any], timeout_s: float, asked: dict[str, dict[str, float]]) -> dict[str, Any]:
     """{role: ray.get(ref)} for the first call of each role's actor (it answers once the actor is placed and
     constructed), or RoleFailed after timeout_s naming the roles that did not answer, what each asked for and what
     the cluster has: Ray itself waits forever for resources it lacks."""
-    import ray
+    import ray  # lazy: optional dependency (pipeline.launcher=ray)
 
     refs = list(calls.values())
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -91,7 +93,7 @@ def placed(calls: dict[str, Any], timeout_s: float, asked: dict[str, dict[str, f
                                   "more (ray start --num-cpus / --num-gpus / --resources), ask for less "
                                   "(server.threads, trainer.threads, server_devices), fix pipeline.ray_resources, "
                                   "or raise pipeline.startup_timeout_s")
-    return dict(zip(calls, ray.get(refs)))
+    return dict(zip(calls, ray.get(refs), strict=True))
 
 
 def _fmt(res: dict[str, float]) -> str:

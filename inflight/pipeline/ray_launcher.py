@@ -16,20 +16,24 @@ launcher does. See docs/multi-host.md.
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Any
 
 from inflight import backends
+from inflight.config import RunConfig
 from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.launch_common import MAX_RESTARTS, open_run, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.ray_cluster import connect, placed, role_cpus
+from inflight.pipeline.ray_roles import RoleActor, ServerActor
 from inflight.pipeline.supervise import RoleFailed, supervise
+from inflight.streams import RedisStream, make_stream
 
 PIN_AMOUNT = 0.001  # of a pinning resource per role: any number of roles fit on the host that has it
 
 
-def check_ray_config(cfg: Any) -> str:
+def check_ray_config(cfg: RunConfig) -> str:
     """Ray-specific checks; returns the API key the servers require (server.api_key or env INFLIGHT_API_KEY)."""
     p = cfg.pipeline
     if p.stream != "redis":
@@ -51,15 +55,13 @@ def check_ray_config(cfg: Any) -> str:
     return key
 
 
-def _resources(cfg: Any, role: str) -> dict[str, float]:
+def _resources(cfg: RunConfig, role: str) -> dict[str, float]:
     res = cfg.pipeline.ray_resources.get(role)
     return {str(res): PIN_AMOUNT} if res else {}
 
 
-def start_servers(cfg: Any, run_dir: str, model: str) -> list[Any]:
-    import ray
-
-    from inflight.pipeline.ray_roles import ServerActor
+def start_servers(cfg: RunConfig, run_dir: str, model: str) -> list[Any]:
+    import ray  # lazy: optional dependency (pipeline.launcher=ray)
 
     out = []
     for k in range(cfg.server.num_servers):
@@ -68,23 +70,22 @@ def start_servers(cfg: Any, run_dir: str, model: str) -> list[Any]:
             name=f"{cfg.name}-server{k}", num_cpus=role_cpus(cfg)[f"server{k}"], num_gpus=gpus,
             resources=_resources(cfg, f"server{k}"), max_restarts=MAX_RESTARTS if cfg.pipeline.restart_servers else 0,
             max_concurrency=4)
-        out.append(cls.remote(cfg, k, run_dir, model))
+        out.append(cls.remote(cfg.server, k, run_dir, model, gpus == 1))
     return out
 
 
-def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_from: str | None
+def start_trainer(cfg: RunConfig, run_dir: str, urls: list[str], stream: Any, resume_from: str | None
                   ) -> tuple[list[Any], list[Any], list[str], Any]:
     """Trainer rank actors, their run() refs and Ray node ids (rank 0 first), and the placement group (None for
     one rank)."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from inflight.pipeline.ray_roles import RoleActor
+    import ray  # lazy: optional dependency (pipeline.launcher=ray)
+    from ray.util.placement_group import placement_group  # lazy: as ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # lazy: as ray
 
     n = cfg.trainer.num_processes if cfg.trainer.backend == "fsdp2" else 1
     cpus, gpus = role_cpus(cfg)["trainer"], (1 if cfg.trainer.device.startswith("cuda") else 0)
-    pg, opts = None, [{} for _ in range(n)]
+    pg = None
+    opts: list[dict[str, Any]] = [{} for _ in range(n)]
     if n > 1:
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **_resources(cfg, "trainer")}
         pg = placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=f"{cfg.name}-trainer")
@@ -97,23 +98,25 @@ def start_trainer(cfg: Any, run_dir: str, urls: list[str], stream: Any, resume_f
     names = ["trainer" if r == 0 else f"trainer-rank{r}" for r in range(n)]
     actors = [ray.remote(RoleActor).options(name=f"{cfg.name}-{names[r]}", num_cpus=cpus, num_gpus=gpus,
                                             max_restarts=0, **opts[r]).remote(names[r], run_dir) for r in range(n)]
-    # the servers reach the trainer's weight-update store at the address Ray reports for rank 0's node
+    # the servers reach the trainer's weight-update store at the address Ray reports for rank 0's node; ray's types
+    # lack an actor method's .remote (hence the ignores)
     asked = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **_resources(cfg, "trainer")}
-    ip = placed({"trainer": actors[0].node_ip.remote()}, cfg.pipeline.startup_timeout_s, {"trainer": asked})["trainer"]
-    node_ids = ray.get([a.node_id.remote() for a in actors])  # before run(): an actor runs one call at a time
+    first_ip = actors[0].node_ip.remote()  # type: ignore[attr-defined]
+    ip = placed({"trainer": first_ip}, cfg.pipeline.startup_timeout_s, {"trainer": asked})["trainer"]
+    # before run(): an actor runs one call at a time
+    node_ids = ray.get([a.node_id.remote() for a in actors])  # type: ignore[attr-defined]
     cfg.pipeline.weight_sync_host = ip
     env = {}
     if cfg.trainer.backend == "fsdp2":  # FSDP2 forms its process group from these at any world size, 1 included
-        env = {"MASTER_ADDR": ip, "MASTER_PORT": str(ray.get(actors[0].free_port.remote())), "WORLD_SIZE": str(n)}
+        port = ray.get(actors[0].free_port.remote())  # type: ignore[attr-defined]
+        env = {"MASTER_ADDR": ip, "MASTER_PORT": str(port), "WORLD_SIZE": str(n)}
     args = (cfg, run_dir, urls, stream, resume_from)
-    refs = [a.run.remote("trainer_main", args, {**env, **({"RANK": str(r), "LOCAL_RANK": "0"} if env else {})})
-            for r, a in enumerate(actors)]
+    rank_env = [{**env, **({"RANK": str(r), "LOCAL_RANK": "0"} if env else {})} for r in range(n)]
+    refs = [a.run.remote("trainer_main", args, rank_env[r]) for r, a in enumerate(actors)]  # type: ignore[attr-defined]
     return actors, refs, node_ids, pg
 
 
 def _role_error(name: str, exc: BaseException, run_dir: str, tail_lines: int) -> RoleFailed:
-    from collections import deque
-
     path = os.path.join(run_dir, "logs", f"{name}.log")
     try:
         with open(path, errors="replace") as f:
@@ -125,15 +128,13 @@ def _role_error(name: str, exc: BaseException, run_dir: str, tail_lines: int) ->
                             f"last lines of {path}:\n" + "".join(f"  | {line}\n" for line in tail.splitlines()))
 
 
-def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
+def run_pipeline_ray(cfg: RunConfig, resume: bool = False) -> int:
     """`run_pipeline` on a Ray cluster: 0 when the trainer finished, 1 when a role failed, 130 on Ctrl-C."""
-    from inflight.streams import make_stream
-
     api_key = check_ray_config(cfg)
     cfg, run_dir, resume_from, state = open_run(cfg, resume)
     cfg.server.api_key = api_key  # after saving: a key from the environment is not written to config.yaml
     connect(cfg)
-    import ray
+    import ray  # lazy: optional dependency; connect() said how to install it when missing
 
     log = MetricsLogger(run_dir, "launcher")
     log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode, launcher="ray",
@@ -141,14 +142,13 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
     actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
                     if state else None)
     stream = make_stream(cfg.pipeline, name=cfg.name, capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
+    assert isinstance(stream, RedisStream)  # check_ray_config: pipeline.stream=redis
     stream.reset()  # a resumed run too: groups left by the dead run were made by weights the checkpoint never had
     progress = Progress(cfg, enabled=cfg.pipeline.progress)
     handles: list[Any] = []
     pgs: list[Any] = []
 
     def start() -> tuple[list[str], Any]:
-        from inflight.pipeline.ray_roles import RoleActor
-
         servers = start_servers(cfg, str(run_dir), ckpt.model_folder(cfg, resume_from))
         handles.extend(servers)
         asked = {f"server{k}": {"CPU": role_cpus(cfg)[f"server{k}"], **_resources(cfg, f"server{k}"),
@@ -172,14 +172,16 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
                                               resources=_resources(cfg, "actor")).remote("actor", str(run_dir))
         handles.append(actor)
         names = ["trainer"] + [f"trainer-rank{r}" for r in range(1, len(trainer_refs))]
-        actor_node = placed({"actor": actor.node_id.remote()}, cfg.pipeline.startup_timeout_s,
+        node_call = actor.node_id.remote()  # type: ignore[attr-defined]
+        actor_node = placed({"actor": node_call}, cfg.pipeline.startup_timeout_s,
                             {"actor": {"CPU": role_cpus(cfg)["actor"], **_resources(cfg, "actor")}})["actor"]
         placement = {**{f"server{k}": n for k, n in enumerate(ray.get([s.node_id.remote() for s in servers]))},
-                     **dict(zip(names, trainer_nodes)), "actor": actor_node}
-        actor_ref = actor.run.remote("actor_main", (cfg, str(run_dir), urls, stream, actor_resume), {})
+                     **dict(zip(names, trainer_nodes, strict=True)), "actor": actor_node}
+        actor_args = (cfg, str(run_dir), urls, stream, actor_resume)
+        actor_ref = actor.run.remote("actor_main", actor_args, {})  # type: ignore[attr-defined]
         log.log("roles_started", launcher="ray", servers=urls, trainer_host=cfg.pipeline.weight_sync_host,
                 ray_nodes=placement)
-        watched = {**dict(zip(names, trainer_refs)), "actor": actor_ref}
+        watched = {**dict(zip(names, trainer_refs, strict=True)), "actor": actor_ref}
 
         def trainer_done() -> bool:
             for name, ref in list(watched.items()):
@@ -203,7 +205,7 @@ def run_pipeline_ray(cfg: Any, resume: bool = False) -> int:
             except Exception:
                 pass
         for pg in pgs:
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # lazy: as ray
 
             remove_placement_group(pg)
         ray.shutdown()  # disconnects from a running cluster; stops one this process started

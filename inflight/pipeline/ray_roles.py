@@ -10,12 +10,22 @@ launcher's children. Nothing here imports Ray at module level: the local launche
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import sys
 import threading
 import time
 import warnings
-from typing import Any
+
+import uvicorn
+
+from inflight.config.engine import ServerConfig
+from inflight.engine import serve
+from inflight.pipeline import roles
+from inflight.pipeline.launch_common import server_argv
+from inflight.pipeline.metrics import MetricsLogger
+from inflight.pipeline.restart import WeightGate
 
 
 def _log_to(log_path: str) -> None:
@@ -29,34 +39,27 @@ def _log_to(log_path: str) -> None:
 
 
 def node_ip() -> str:
-    import ray
+    import ray  # lazy: optional dependency (the Ray launcher's only)
 
     return ray.util.get_node_ip_address()
 
 
 def node_id() -> str:
-    import ray
+    import ray  # lazy: optional dependency (the Ray launcher's only)
 
     return ray.get_runtime_context().get_node_id()
 
 
 class ServerActor:
-    """Inference server k on whichever node Ray placed it; `url()` is its address as other hosts reach it."""
+    """Inference server k on whichever node Ray placed it; `url()` is its address as other hosts reach it.
+    `model`: the weights it loads; `cuda`: whether Ray gave it a GPU."""
 
-    def __init__(self, cfg: Any, k: int, run_dir: str, model: str):
-        import argparse
-
-        import ray
-        import uvicorn
-
-        from inflight.engine import serve
-        from inflight.pipeline.launch_common import server_command
-        from inflight.pipeline.metrics import MetricsLogger
-        from inflight.pipeline.restart import WeightGate
+    def __init__(self, server: ServerConfig, k: int, run_dir: str, model: str, cuda: bool):
+        import ray  # lazy: optional dependency (the Ray launcher's only)
 
         _log_to(os.path.join(run_dir, "logs", f"server{k}.log"))
         ip = node_ip()
-        argv = server_command(cfg, k, model)[4:]  # drop `python -m inflight.cli serve`
+        argv = server_argv(server, k, model, cuda)[4:]  # drop `python -m inflight.cli serve`
         argv[argv.index("--host") + 1] = ip
         argv += ["--allow-remote-admin"]  # the trainer is on another host; the API key guards the admin endpoints
         parser = argparse.ArgumentParser()
@@ -108,15 +111,11 @@ class RoleActor:
         return node_id()
 
     def free_port(self) -> int:
-        import socket
-
         with socket.socket() as s:
             s.bind(("", 0))
             return s.getsockname()[1]
 
     def run(self, entry: str, args: tuple, env: dict[str, str]) -> int:
-        from inflight.pipeline import roles
-
         os.environ.update(env)
         if entry not in ("trainer_main", "actor_main"):
             raise ValueError(f"unknown role entry {entry!r}")

@@ -75,7 +75,7 @@ def late_mean(steps: list[dict], key: str, share: float = 0.1) -> float | None:
 def summary(run: Run) -> dict[str, Any]:
     steps = run.events("train_step")
     evals = _eval_points(run)[2]
-    lag = Counter()
+    lag: Counter[int] = Counter()
     for r in steps:
         lag.update({int(k): v for k, v in (r.get("lag_hist") or {}).items()})
     done = run.events("trainer_done")
@@ -99,10 +99,10 @@ def summary(run: Run) -> dict[str, Any]:
 
 
 def _plot(name: str, runs: list[Run], out: Path) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: start-up cost (~2 s on a small CPU), paid only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend above
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in runs:
@@ -131,7 +131,7 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
             axes[1].plot(xe, [100 * v for v in eos], ls="--", label=f"{run.name} ended with EOS")
             axes[1].set(xlabel="trainer step", ylabel="share of completions (%)", ylim=(-3, 103))
         elif name == "lag_hist":
-            lag = Counter()
+            lag: Counter[int] = Counter()
             for r in run.events("train_step"):
                 lag.update({int(k): v for k, v in (r.get("lag_hist") or {}).items()})
             ks = sorted(lag)
@@ -143,7 +143,7 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
             axes[1].plot(*run.series("train_step", "lag_mean", x="step"), ls="--", label=f"{run.name} mean")
             axes[1].set(xlabel="trainer step", ylabel="lag per step")
         elif name == "server_throughput":
-            for srv in sorted({r.get("server") for r in run.events("server_metrics")}):
+            for srv in sorted({int(r["server"]) for r in run.events("server_metrics") if "server" in r}):
                 pts = [r for r in run.events("server_metrics") if r.get("server") == srv]
                 t = [r["time"] - run.t0 for r in pts]
                 axes[0].plot(t, [r.get("tokens_per_s") or 0 for r in pts], label=f"{run.name} s{srv}")

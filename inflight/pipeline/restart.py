@@ -11,7 +11,9 @@ update opens the gate.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 
 from inflight import backends
+from inflight.engine import serve
 
 OPEN_PATHS = ("/init_process_group", "/request_weight_update", "/check_weight_update", "/metrics")
 
@@ -100,11 +103,6 @@ def rejoin_weight_group(sync: Any, timeout_s: float, api_key: str = "") -> None:
 
 def main(argv: list[str]) -> int:
     """`inflight serve` with the gate (same arguments)."""
-    import argparse
-    import logging
-
-    from inflight.engine import serve
-
     parser = argparse.ArgumentParser(prog="python -m inflight.pipeline.restart")
     serve.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -7,88 +7,79 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
-from inflight.heap import freeze_startup_objects
+import torch
+
+from inflight.actor import run_actor
+from inflight.config import RunConfig
+from inflight.heap import freeze_startup_objects, retain_freed_memory
+from inflight.pipeline.checkpoint import model_folder, restore_trainer
+from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
 from inflight.pipeline.launch_common import startup_timeout, wait_healthy
 from inflight.pipeline.metrics import MetricsLogger
+from inflight.pipeline.trainer_loop import TrainerLoop
+from inflight.trainer.factory import make_trainer
+from inflight.trainer.protocols import make_weight_sync
 
 
-def _setup(cfg: Any, threads: int) -> None:
-    import torch
-
-    from inflight.heap import retain_freed_memory
-
+def _setup(seed: int, threads: int) -> None:
     retain_freed_memory()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if threads > 0:
         torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
 
 
-def trainer_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, resume_from: str | None = None) -> None:
-    """The trainer role: engine + weight sync + TrainerLoop, until a limit (steps, samples, minutes).
+def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: Any,
+                 resume_from: str | None = None) -> None:
+    """The trainer role: policy + weight sync + TrainerLoop, until a limit (steps, samples, minutes).
     With trainer.backend=fsdp2 this is one rank (RANK / WORLD_SIZE / MASTER_* in the environment); rank 0 alone
     reads the stream, pushes weights and logs. `resume_from`: a checkpoint folder to continue from (weights,
     optimizer, scheduler, RNG, counters; the servers get its weights before the actor starts)."""
-    from inflight.pipeline.trainer_loop import TrainerLoop
-    from inflight.trainer.factory import make_trainer
-    from inflight.trainer.protocols import make_weight_sync
-
-    _setup(cfg, cfg.trainer.threads)
+    _setup(cfg.seed, cfg.trainer.threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     t0 = time.time()
-    from inflight.pipeline.checkpoint import model_folder
-
-    engine = make_trainer(model_folder(cfg, resume_from), cfg.trainer)
-    engine.init()
+    policy = make_trainer(model_folder(cfg, resume_from), cfg.trainer)
+    policy.init()
     resume = None
     if resume_from:
-        from inflight.pipeline.checkpoint import restore_trainer
-
-        resume = restore_trainer(engine, resume_from)
+        resume = restore_trainer(policy, resume_from)
     # FSDP2 gathers weights with collectives, even at world 1: its pushes must not overlap the next step's
     # forward (TrainerLoop pushes on a thread meanwhile), so every FSDP2 run takes the distributed loop
     distributed = world > 1 or cfg.trainer.backend == "fsdp2"
     if distributed and rank > 0:
-        from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
-
         freeze_startup_objects()
-        DistributedTrainerLoop(cfg, engine, stream, None, None, run_dir, rank=rank, world_size=world,
+        DistributedTrainerLoop(cfg, policy, stream, None, None, run_dir, rank=rank, world_size=world,
                                resume=resume).run()
         return
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     ref = None
     if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights (cfg.model.path, also on resume)
-        from dataclasses import replace
-
         ref = make_trainer(cfg.model.path, replace(cfg.trainer, lora=None))  # the base alone, with LoRA too
         ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     wait_healthy(server_urls, [], startup_timeout(cfg), cfg.server.api_key)  # servers may still load
     sync.init_process_group()
-    log.log("trainer_ready", step=engine.version, init_s=time.time() - t0, pid=os.getpid(),
+    log.log("trainer_ready", step=policy.version, init_s=time.time() - t0, pid=os.getpid(),
             resumed_from=resume_from)
     freeze_startup_objects()
     try:
         if distributed:
-            from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
-
-            DistributedTrainerLoop(cfg, engine, stream, sync, log, run_dir, rank=0, world_size=world,
+            DistributedTrainerLoop(cfg, policy, stream, sync, log, run_dir, rank=0, world_size=world,
                                    resume=resume).run()
         else:
-            TrainerLoop(cfg, engine, stream, sync, log, run_dir, ref_engine=ref, resume=resume).run()
+            TrainerLoop(cfg, policy, stream, sync, log, run_dir, ref_policy=ref, resume=resume).run()
     finally:
         sync.close()
         log.close()
 
 
-def actor_main(cfg: Any, run_dir: str, server_urls: list[str], stream: Any, resume: dict | None = None) -> None:
+def actor_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: Any, resume: dict | None = None) -> None:
     """The actor role: rollouts through the servers, rewards, groups into the stream, held-out evaluations.
     `resume`: {"next_group", "skipped", "version"} of the checkpoint the trainer resumes from."""
-    from inflight.actor import run_actor
-
-    _setup(cfg, 1)
+    _setup(cfg.seed, 1)
     log = MetricsLogger(run_dir, "actor", tensorboard=cfg.pipeline.tensorboard)
 
     def sink(record: dict) -> None:

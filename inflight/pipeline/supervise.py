@@ -10,13 +10,20 @@ scraped and the progress line is updated; at the end the final weights are evalu
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from inflight.actor.evaluate import evaluate
+from inflight.actor.run import env_rollout, served_names
+from inflight.actor.server_pool import ServerPool
+from inflight.config import RunConfig
 from inflight.pipeline.metrics import MetricsLogger, read_metrics
+from inflight.pipeline.report import write_report
 from inflight.pipeline.scrape import ServerScraper
+from inflight.tasks import get_task
 
 
 class RoleFailed(RuntimeError):
@@ -25,7 +32,7 @@ class RoleFailed(RuntimeError):
         self.role = role
 
 
-def supervise(cfg: Any, run_dir: Path, log: MetricsLogger, progress: Any,
+def supervise(cfg: RunConfig, run_dir: Path, log: MetricsLogger, progress: Any,
               start: Callable[[], tuple[list[str], Callable[[], bool]]], stop: Callable[[], None]) -> int:
     """Returns 0 when the trainer finished (the report is written), 1 when a role failed, 130 on Ctrl-C."""
     code = 0
@@ -60,21 +67,12 @@ def supervise(cfg: Any, run_dir: Path, log: MetricsLogger, progress: Any,
         finally:
             log.close()
     if code == 0:
-        from inflight.pipeline.report import write_report
-
         print(f"inflight: run finished; report: {write_report([run_dir])}")
     return code
 
 
-def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> None:
+def final_eval(cfg: RunConfig, run_dir: Path, urls: list[str], log: MetricsLogger) -> None:
     """Held-out accuracy of the final weights (the servers hold them now), so every run ends with a measurement."""
-    import asyncio
-
-    from inflight.actor.evaluate import evaluate
-    from inflight.actor.run import served_names
-    from inflight.actor.server_pool import ServerPool
-    from inflight.tasks import get_task
-
     if cfg.actor.eval_every <= 0:
         return
     version = max((r.get("step", 0) for r in read_metrics(run_dir, event="train_step")), default=0)
@@ -86,9 +84,8 @@ def final_eval(cfg: Any, run_dir: Path, urls: list[str], log: MetricsLogger) -> 
             task = get_task(cfg.task)
             episode = None
             if hasattr(task, "make_env"):  # a multi-turn task: whole episodes, scored by the environment
-                from inflight.actor.run import env_rollout
-
-                episode = env_rollout(cfg, task).episode
+                rollout: Any = env_rollout(cfg, task)  # episode_rollout (actor/episode.py) attaches `.episode`
+                episode = rollout.episode
             # a LoRA run on stock vLLM: the final version's adapter, by name (actor/run.py)
             return await evaluate(task, pool, cfg.actor, episode=episode, served=served_names(cfg), version=version)
         finally:

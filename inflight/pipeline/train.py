@@ -28,7 +28,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.pipeline.launcher import run_pipeline
+    from inflight.pipeline.launcher import run_pipeline  # lazy: start-up cost (torch): a fast `train --help`
 
     try:
         if args.resume:

@@ -37,15 +37,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inflight.actor.run import pipeline_limits
 from inflight.algo import advantages as adv_mod
 from inflight.algo.losses import lag_stats, make_loss, merge_stats
 from inflight.algo.truncation import trains
+from inflight.config import RunConfig
 from inflight.contracts import Group, Sample
 from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint
 from inflight.pipeline.completions import TruncationAlarm, completion_stats
 from inflight.pipeline.launch_common import startup_timeout
 from inflight.pipeline.ordering import StartOrder
+from inflight.pipeline.restart import refused, rejoin_weight_group, server_versions
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
+from inflight.trainer.protocols.common import WeightSyncError
 
 
 class StopTraining(Exception):
@@ -71,16 +75,16 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
     """Samples whose completion tokens come from more than one weight version (in-flight updates), and the
     trainer version each group was started at (the actor's staleness bound acts on it)."""
     mixed = sum(1 for s in samples if len(set(s.model_versions())) > 1)
-    starts = [s.meta.get("start_version") for s in samples if s.meta.get("start_version") is not None]
+    starts = [v for s in samples if (v := s.meta.get("start_version")) is not None]
     return {"mixed_version_samples": float(mixed), "mixed_version_frac": mixed / max(1, len(samples)),
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
 
 
-def adapter_of(engine: Any) -> dict[str, Any]:
-    """The push's `adapter` keyword for an engine that trains a LoRA adapter (trainer.lora), else nothing (the
+def adapter_of(policy: Any) -> dict[str, Any]:
+    """The push's `adapter` keyword for a policy that trains a LoRA adapter (trainer.lora), else nothing (the
     native stock-server clients take no such keyword; with trainer.lora, trainer.protocol=vllm is the adapter client
     of trainer/protocols/vllm_lora.py, and sglang is refused at config time)."""
-    spec = getattr(engine, "adapter", None)
+    spec = getattr(policy, "adapter", None)
     return {"adapter": spec} if spec is not None else {}
 
 
@@ -104,15 +108,15 @@ class _Push:
 
 
 class TrainerLoop:
-    def __init__(self, cfg: Any, engine: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
-                 ref_engine: Any = None, resume: CheckpointState | None = None):
+    def __init__(self, cfg: RunConfig, policy: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
+                 ref_policy: Any = None, resume: CheckpointState | None = None):
         self.cfg = cfg
-        self.engine = engine
+        self.policy = policy
         self.stream = stream
         self.sync = sync_client
         self.log = log
         self.run_dir = Path(run_dir)
-        self.ref_engine = ref_engine
+        self.ref_policy = ref_policy
         self.loss_fn = make_loss(cfg.algo)
         self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
         self.alarm = TruncationAlarm(cfg.pipeline.warn_truncated_frac, cfg.pipeline.warn_truncated_steps)
@@ -132,7 +136,7 @@ class TrainerLoop:
     # -- limits -----------------------------------------------------------------------------------------------
     def done(self) -> bool:
         p = self.cfg.pipeline
-        if p.max_steps and self.engine.version >= p.max_steps:
+        if p.max_steps and self.policy.version >= p.max_steps:
             return True
         if p.max_samples and self.samples_trained >= p.max_samples:
             return True
@@ -145,8 +149,6 @@ class TrainerLoop:
     def live_cap(self) -> int:
         """The most groups that can be complete at the version published last: AReaL's bound. (Groups the actor
         queued ahead, `actor.queue_ahead`, wait at the servers for a later version.)"""
-        from inflight.actor.run import pipeline_limits
-
         a = self.cfg.actor
         cap = (self.published_version + a.max_lag + 1) * a.groups_per_step
         limit = pipeline_limits(self.cfg)[0]
@@ -155,10 +157,8 @@ class TrainerLoop:
     def await_round(self) -> float:
         """Sync mode, the first step of a round: wait until all of the round's groups are in (generate, then train).
         Returns the seconds waited; raises StopTraining if the time limit ends the wait."""
-        from inflight.actor.run import pipeline_limits
-
         p, gps = self.cfg.pipeline, self.cfg.actor.groups_per_step
-        if p.mode != "sync" or self.engine.version % p.num_grad_steps:
+        if p.mode != "sync" or self.policy.version % p.num_grad_steps:
             return 0.0
         need = p.num_grad_steps * gps
         limit = pipeline_limits(self.cfg)[0]
@@ -185,11 +185,11 @@ class TrainerLoop:
         s = [data.samples[i] for i in idx]
         a = [data.advantages[i] for i in idx]
         batch = collate(s, a, n_seq, n_tok, temperature=self.cfg.actor.temperature, trained=trained)
-        data.forward_tokens += forward_tokens(s, getattr(self.engine, "share_prompts", False))
+        data.forward_tokens += forward_tokens(s, getattr(self.policy, "share_prompts", False))
         if self.cfg.algo.loss == "decoupled_ppo":  # pi_prox: weights before this step (unchanged until the step)
-            batch.prox_logprobs = self.engine.forward_logprobs(batch)
-        if self.ref_engine is not None:
-            batch.ref_logprobs = self.ref_engine.forward_logprobs(batch)
+            batch.prox_logprobs = self.policy.forward_logprobs(batch)
+        if self.ref_policy is not None:
+            batch.ref_logprobs = self.ref_policy.forward_logprobs(batch)
         return batch
 
     def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list) -> None:
@@ -198,7 +198,7 @@ class TrainerLoop:
             # one sample with nothing trained (gradient 0) so that every parameter has a gradient: the optimizer
             # step is then the same as with every sample trained (AdamW skips parameters without one)
             stand_in = min(data.skipped + data.masked, key=lambda i: len(data.samples[i]))
-            stats.append(self.engine.backward(self._micro_batch(data, [stand_in], n_seq, n_tok, [False]),
+            stats.append(self.policy.backward(self._micro_batch(data, [stand_in], n_seq, n_tok, [False]),
                                               self.loss_fn))
             return
         budget = self.cfg.trainer.micro_batch_tokens
@@ -211,7 +211,7 @@ class TrainerLoop:
         for b in ready:
             idx = [data.pending[j] for j in b]
             batch = self._micro_batch(data, idx, n_seq, n_tok)
-            stats.append(self.engine.backward(batch, self.loss_fn))
+            stats.append(self.policy.backward(batch, self.loss_fn))
             data.trained += len(idx)
             done.update(idx)
         data.pending = [i for i in data.pending if i not in done]
@@ -236,7 +236,8 @@ class TrainerLoop:
         gps = self.cfg.actor.groups_per_step
         n_seq = gps * self.cfg.actor.group_size
         incremental = self.cfg.algo.normalization != "tokens"
-        data, stats = StepData(), []
+        data = StepData()
+        stats: list[dict[str, float]] = []
         t0 = time.time()
         wait_s = self.await_round()
         while data.groups < gps:
@@ -253,8 +254,8 @@ class TrainerLoop:
         tw = time.time()
         self.settle_push(block=True)  # the optimizer writes the weights the previous push may still be reading
         push_wait_s = time.time() - tw
-        opt = self.engine.optimizer_step()
-        version = self.engine.version
+        opt = self.policy.optimizer_step()
+        version = self.policy.version
         t_train = time.time() - t0 - wait_s - push_wait_s
 
         self.samples_trained += len(data.samples)
@@ -334,15 +335,12 @@ class TrainerLoop:
 
     # -- weights to the servers, surviving a server that died or restarted ------------------------------------------
     def push(self, version: int, weights: Any = None) -> dict:
-        """Push the current weights as `version` to every server (`weights`: what to send instead of the engine's
+        """Push the current weights as `version` to every server (`weights`: what to send instead of the policy's
         named_weights, resent as it is on every attempt: the FSDP2 loop's gathered update). A failed update is
         retried after the weight group is formed again with every server (a restarted one joins it); a server that
         rejects the update itself
         (4xx other than 409) or `pipeline.weight_sync_retries` failures stop the trainer with the servers'
         versions in the message. A server applies an update whole or not at all, so each holds one version."""
-        from inflight.pipeline.restart import rejoin_weight_group, server_versions
-        from inflight.trainer.protocols.common import WeightSyncError
-
         retries = self.cfg.pipeline.weight_sync_retries
         for attempt in range(retries + 1):
             try:
@@ -364,18 +362,13 @@ class TrainerLoop:
         """sync.push in a thread, abandoned when a server's port starts refusing connections: a peer that dies inside
         a broadcast can leave it blocked until the group timeout. The abandoned op only ends in an error (its peer is
         gone); the retry forms a new group."""
-        import threading
-
-        from inflight.pipeline.restart import refused
-        from inflight.trainer.protocols.common import WeightSyncError
-
         box: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                named = self.engine.named_weights() if weights is None else weights
+                named = self.policy.named_weights() if weights is None else weights
                 box["res"] = self.sync.push(named, version, self.cfg.pipeline.update_mode,
-                                            **adapter_of(self.engine)) or {}
+                                            **adapter_of(self.policy)) or {}
             except BaseException as exc:  # handed to the caller's thread
                 box["err"] = exc
 
@@ -393,38 +386,38 @@ class TrainerLoop:
     def checkpoint_state(self) -> CheckpointState:
         a = self.cfg.actor
         return CheckpointState(
-            step=self.engine.version, version=self.engine.version, samples_trained=self.samples_trained,
+            step=self.policy.version, version=self.policy.version, samples_trained=self.samples_trained,
             next_group=self.order.next_index, skipped_groups=list(self.order.skipped),
             server_version=self.published_version, elapsed_s=time.time() - self.started,
             groups_per_step=a.groups_per_step, group_size=a.group_size, seed=self.cfg.seed)
 
     def checkpoint(self, final: bool = False) -> Path:
-        name = "final" if final else f"step_{self.engine.version:06d}"
+        name = "final" if final else f"step_{self.policy.version:06d}"
         t0 = time.time()
-        path = save_checkpoint(self.run_dir / "checkpoints", name, self.engine, self.checkpoint_state(),
+        path = save_checkpoint(self.run_dir / "checkpoints", name, self.policy, self.checkpoint_state(),
                                self.cfg.pipeline.keep_checkpoints)
-        self.log.log("checkpoint", step=self.engine.version, path=str(path), next_group=self.order.next_index,
+        self.log.log("checkpoint", step=self.policy.version, path=str(path), next_group=self.order.next_index,
                      samples_total=self.samples_trained, seconds=time.time() - t0)
         return path
 
     def run(self) -> None:
         if self.resumed is not None:  # the servers get the checkpoint's weights and version before the actor starts
-            self.start_push(self.engine.version)
+            self.start_push(self.policy.version)
             self.settle_push(block=True)
-        self.publish(self.engine.version)  # the servers hold these weights: the actor may start
+        self.publish(self.policy.version)  # the servers hold these weights: the actor may start
         every = self.cfg.pipeline.checkpoint_every
         try:
             while not self.done():
                 self.step()
-                if every and self.engine.version % every == 0:
+                if every and self.policy.version % every == 0:
                     self.checkpoint()
         except StopTraining:
             pass
         self.settle_push(block=True)
-        if self.published_version != self.engine.version:  # sync mode mid-round: the servers get the final weights
-            self.start_push(self.engine.version)
+        if self.published_version != self.policy.version:  # sync mode mid-round: the servers get the final weights
+            self.start_push(self.policy.version)
             self.settle_push(block=True)
-            self.publish(self.engine.version)
+            self.publish(self.policy.version)
         self.checkpoint(final=True)
-        self.log.log("trainer_done", step=self.engine.version, samples_total=self.samples_trained,
+        self.log.log("trainer_done", step=self.policy.version, samples_total=self.samples_trained,
                      elapsed_s=time.time() - self.started)

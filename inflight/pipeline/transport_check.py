@@ -5,12 +5,12 @@ GPU that puts trainer and servers on the same device sets cuda_ipc itself (docs/
 
 from __future__ import annotations
 
-from typing import Any
+from inflight.config import RunConfig
 
 TRANSPORTS = ("process_group", "shm", "file", "cuda_ipc")
 
 
-def check_weight_transport(cfg: Any) -> None:
+def check_weight_transport(cfg: RunConfig) -> None:
     """Raise ValueError naming the setting that rules the chosen transport out."""
     t, p, s = cfg.trainer, cfg.pipeline, cfg.server
     if t.weight_transport not in TRANSPORTS:

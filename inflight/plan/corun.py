@@ -28,10 +28,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import httpx
 
+from inflight.config import RunConfig
 from inflight.engine.serve import ServerProcess
 from inflight.plan.measure import push_session
 from inflight.plan.reply import schedstat_fields
@@ -90,7 +91,7 @@ def _decode_s(url: str, model: str, batch: int, tokens: int, repeats: int) -> fl
                              for _ in range(repeats))
 
 
-def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, tokens: int = 64,
+def measure_interference(cfg: RunConfig, train_step: Callable[[], float], batch: int, tokens: int = 64,
                          rounds: int = 4, per_round: int = 3) -> tuple[float, float]:
     """(trainer factor, server factor): slowed / alone, medians over `rounds` alternations of the other role off and
     on (`per_round` timings each), so that a drift of the machine's load hits both alike. `cfg`: RunConfig (model,
@@ -127,7 +128,7 @@ def measure_interference(cfg: Any, train_step: Callable[[], float], batch: int, 
     return max(1.0, med(t_slowed) / med(t_alone)), max(1.0, med(s_slowed) / med(s_alone))
 
 
-def measure_push_beside(cfg: Any, train_step: Callable[[], float], batch: int, tokens: int = 64, rounds: int = 4,
+def measure_push_beside(cfg: RunConfig, train_step: Callable[[], float], batch: int, tokens: int = 64, rounds: int = 4,
                         per_round: int = 5) -> dict[str, float]:
     """What a push (measure.push_session) takes more while this process trains (a pipelined trainer pushes from a
     thread while its loop trains the next step: the two share its interpreter and the cores), while the server

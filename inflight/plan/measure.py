@@ -24,6 +24,9 @@ from transformers import AutoModelForCausalLM
 
 from inflight import backends
 from inflight.algo.losses import make_loss
+from inflight.config import RunConfig
+from inflight.config.algo import AlgoConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
 from inflight.engine.core import InferenceEngine
 from inflight.engine.sampling import SamplingParams
@@ -159,13 +162,12 @@ def measure_server(url: str, batches: list[int], contexts: list[int], model: str
 
 
 # ---- the trainer --------------------------------------------------------------------------------------------------
-def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
+def trainer_bench(model_path: str, cfg: TrainerConfig, group_size: int = 8, groups: int = 16, prompt: int = 8,
                   completion: int = 12, trainer: Any = None) -> tuple[Callable[[], tuple[float, float]], int]:
     """(step, tokens): step() runs forward + backward (all samples trained: advantages +-1) of `groups` groups of
     `group_size` samples sharing a prompt, packed as the trainer loop packs them, then the optimizer step, and
     returns (backward seconds, optimizer seconds); tokens counted as the simulator counts them: prompt +
     completion of every sample. `cfg`: TrainerConfig; `trainer`: one already made (default: a new one)."""
-    from inflight.algo.config import AlgoConfig
 
     if trainer is None:
         trainer = make_trainer(model_path, cfg)
@@ -193,7 +195,7 @@ def trainer_bench(model_path: str, cfg: Any, group_size: int = 8, groups: int = 
     return step, sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
 
 
-def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int = 16, prompt: int = 8,
+def measure_trainer(model_path: str, cfg: TrainerConfig, group_size: int = 8, groups: int = 16, prompt: int = 8,
                     completion: int = 12, steps: int = 7) -> TrainerProfile:
     """Forward + backward tokens/s and the optimizer step's seconds (trainer_bench), medians of `steps` after a
     warm-up; and how the cost per token grows with the completion's length (`length_slope`): the same step with
@@ -224,7 +226,7 @@ def measure_trainer(model_path: str, cfg: Any, group_size: int = 8, groups: int 
 
 # ---- the push ----------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def push_session(cfg: Any, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, Callable[[], tuple[float, float]]]]:
+def push_session(cfg: RunConfig, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, Callable[[], tuple[float, float]]]]:
     """A real `inflight serve` process of the config's model, with the config's weight client and transport joined to
     it (trainer.protocol inflight): yields (its url, push), where push() sends the model's weights as the next
     version, as the trainer loop does after an optimizer step, and returns (seconds, the server's pause). `cfg`:
@@ -254,7 +256,7 @@ def push_session(cfg: Any, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[s
             client.close()
 
 
-def measure_push(cfg: Any, pushes: int = 6) -> tuple[float, float]:
+def measure_push(cfg: RunConfig, pushes: int = 6) -> tuple[float, float]:
     """(push seconds, server pause seconds), medians of `pushes` pushes to an idle server (push_session)."""
     times, pauses = [], []
     with push_session(cfg) as (_, push):

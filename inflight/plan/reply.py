@@ -46,6 +46,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from inflight.actor.run import make_rewards, open_actor
+from inflight.config import RunConfig
+from inflight.config.actor import ActorConfig
 from inflight.engine.serve import ServerProcess
 from inflight.host import free_port
 from inflight.pipeline.launch_common import server_command, thread_env
@@ -132,7 +134,7 @@ def line(a: ReplyCost, b: ReplyCost, pick: str) -> tuple[float, float]:
 
 def fixed_length_rollout(length: int) -> Any:
     """The default rollout (actor/rollout.py), every completion exactly `length` tokens."""
-    async def rollout(ts: Any, client: Any, cfg: Any) -> list:
+    async def rollout(ts: Any, client: Any, cfg: ActorConfig) -> list:
         kw = {"max_tokens": length, "ignore_eos": True}
         if cfg.use_n:
             completions = await client.chat(ts.messages, n=cfg.group_size, **kw)
@@ -254,7 +256,7 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
     return max(0.0, gain(walls)) / work, max(0.0, gain(engine_cpu)) / work
 
 
-async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
+async def _rounds(cfg: RunConfig, url: str, server_pid: int, lengths: list[int],
                   groups: int) -> tuple[list[ReplyCost], float, tuple[float, float] | None]:
     me = os.getpid()
     stream = MemoryStream(capacity=4 * groups, ctx=mp.get_context("spawn"))
@@ -298,7 +300,7 @@ async def _rounds(cfg: Any, url: str, server_pid: int, lengths: list[int],
     return out[1:], request_s, stall
 
 
-def measure_reply(cfg: Any, lengths: tuple[int, int] | None = None,
+def measure_reply(cfg: RunConfig, lengths: tuple[int, int] | None = None,
                   groups: int = 0) -> tuple[list[ReplyCost], float, tuple[float, float] | None]:
     """Per-group CPU seconds of the server, the actor (+ reward workers) and the trainer's stream read at two
     completion lengths (default max_new_tokens / 4 and max_new_tokens), `groups` groups each (default 2 steps'

@@ -23,10 +23,10 @@ import asyncio
 import itertools
 import random
 import statistics
-from typing import Any
 
 import torch
 
+from inflight.config import RunConfig
 from inflight.engine.core import InferenceEngine
 from inflight.engine.sampling import SamplingParams
 from inflight.plan.profile import EngineProfile
@@ -42,7 +42,7 @@ def _measured_s(trace: list[tuple[int, int, int, float]]) -> float:
     return sum(dt for nd, _, _, dt in trace if nd)
 
 
-def measure_run_step_factor(cfg: Any, profile: EngineProfile, rounds: int = 5, groups_per_round: int = 0,
+def measure_run_step_factor(cfg: RunConfig, profile: EngineProfile, rounds: int = 5, groups_per_round: int = 0,
                             ) -> tuple[float, dict[str, float]]:
     """(factor, details): see the module docstring. `cfg`: RunConfig (model, task, server threads and sizes, the
     actor's group size, max_new_tokens and temperature). Each round runs `groups_per_round` groups (default: enough

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from inflight.config import RunConfig
+
 
 @dataclass
 class Lengths:
@@ -87,8 +89,8 @@ class SimConfig:
                 self.steps += self.num_grad_steps - self.steps % self.num_grad_steps
 
 
-def from_run_config(cfg: Any, lengths: Lengths, **over: Any) -> SimConfig:
-    """A SimConfig with the settings of a RunConfig (inflight/config.py); `over` sets the rest (steps, servers...)."""
+def from_run_config(cfg: RunConfig, lengths: Lengths, **over: Any) -> SimConfig:
+    """A SimConfig with the settings of a RunConfig (inflight/config/); `over` sets the rest (steps, servers...)."""
     a, p, s = cfg.actor, cfg.pipeline, cfg.server
     kw: dict[str, Any] = dict(
         mode=p.mode, update_mode=p.update_mode, num_grad_steps=p.num_grad_steps, servers=s.num_servers,

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from inflight.algo import truncation
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import TaskSample, Verdict, Verification
 from inflight.rewards.pool import KillablePool, log
 from inflight.tasks import get_task
-from inflight.tasks.config import TaskConfig
 
 # (completion text, the TaskSample it answers, finish_reason, completion tokens, max new tokens of the request)
 ScoreItem = tuple[str, TaskSample, str, int, int]

@@ -5,10 +5,10 @@ verifiers, openenv-core) only when that task is built or scores."""
 
 from __future__ import annotations
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import Task
 from inflight.tasks.arith import ArithTask
 from inflight.tasks.arith_tool import ArithToolTask
-from inflight.tasks.config import TaskConfig
 from inflight.tasks.math_jsonl import MathJsonlTask
 from inflight.tasks.openenv_env import OpenEnvTask
 from inflight.tasks.reasoning_gym_task import ReasoningGymTask

@@ -19,9 +19,9 @@ import random
 import re
 from typing import Iterator
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import TaskSample, Verification
 from inflight.tasks.answer import check_answer_format, extract_answer, graded, unanswered
-from inflight.tasks.config import TaskConfig
 
 OPERATORS = ("+", "-", "*")
 _INT = re.compile(r"^\s*([-+]?\d+)\s*$")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import ast
 import re
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import StepResult, TaskSample
 from inflight.tasks.answer import final_boxed
 from inflight.tasks.arith import ArithTask
-from inflight.tasks.config import TaskConfig
 
 _CALL = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.S)
 DEMO_EXPR = "12*34"  # the worked example of task.tool_demo

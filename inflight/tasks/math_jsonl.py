@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import TaskSample, Verdict, Verification
 from inflight.tasks.answer import MATH_TRAILER, final_boxed, graded, unanswered
-from inflight.tasks.config import TaskConfig
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made with timeouts disabled
 INSTRUCTION = "Put your final answer in \\boxed{}."

@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import StepResult, TaskSample, Verdict, Verification
-from inflight.tasks.config import TaskConfig
 
 ARGS = {"renderer", "action_parser", "reward", "reset_args", "max_sessions"}
 REWARDS = ("sum", "final")

@@ -14,9 +14,9 @@ import difflib
 from functools import lru_cache
 from typing import Any, Iterator
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import TaskSample, Verdict, Verification
 from inflight.tasks.answer import MATH_TRAILER, final_boxed, unanswered
-from inflight.tasks.config import TaskConfig
 
 INSTRUCTION = "Put your final answer in \\boxed{}."
 TRAIN_CHUNK = 10_000  # training datasets are generated in chunks of this size, each with its own seed

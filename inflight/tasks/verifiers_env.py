@@ -44,8 +44,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import StepResult, TaskSample, Verdict, Verification
-from inflight.tasks.config import TaskConfig
 from inflight.tasks.math_jsonl import shuffled_forever
 from inflight.tasks.tool_calls import parse_tool_calls, tools_system_text
 

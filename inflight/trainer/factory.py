@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import TrainEngine
-from inflight.trainer.config import TrainerConfig
 
 
 def make_trainer(model_path: str, cfg: TrainerConfig) -> TrainEngine:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from inflight.contracts import tied_aliases
-from inflight.trainer.config import TrainerConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
 

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from inflight.config.trainer import LoraConfig
 from inflight.contracts import tied_aliases
-from inflight.trainer.config import LoraConfig
 from inflight.trainer.gather import gathered
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model

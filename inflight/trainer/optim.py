@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from inflight.trainer.config import TrainerConfig
+from inflight.config.trainer import TrainerConfig
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:

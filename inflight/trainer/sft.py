@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from inflight.contracts import Sample, TaskSample, TrainBatch
 from inflight.tasks import get_task
-from inflight.tasks.config import TaskConfig
+from inflight.config.tasks import TaskConfig
 from inflight.modelkit.greedy import greedy_accuracy
-from inflight.trainer.config import TrainerConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 
 

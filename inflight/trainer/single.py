@@ -15,9 +15,9 @@ from typing import Iterator
 
 import torch
 
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.gather import gathered
 from inflight.trainer.head import install as install_head
 from inflight.trainer.logprobs import packed_token_logprobs

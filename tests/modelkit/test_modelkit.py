@@ -6,9 +6,9 @@ import string
 import pytest
 import torch
 
+from inflight.config.tasks import TaskConfig
 from inflight.modelkit import count_params, make_model
 from inflight.modelkit.tokenizer import train_tokenizer
-from inflight.tasks.config import TaskConfig
 
 torch.set_num_threads(1)
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from inflight.config import RunConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.trainer_loop import TrainerLoop
 from inflight.streams.memory import MemoryStream
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.protocols.common import WeightSyncError
 from inflight.trainer.single import SingleDeviceTrainer
 from tests.reliability.pipeline_helpers import records
@@ -49,11 +49,11 @@ def make_loop(model_dir, run_dir, float64: bool = False, **algo) -> TrainerLoop:
     cfg.pipeline.max_steps = len(STEPS)  # the sync round (cut to the run) is all of the steps' groups
     for k, v in algo.items():
         setattr(cfg.algo, k, v)
-    engine = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1, lr=1e-2, micro_batch_tokens=40))
-    engine.init()
+    policy = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1, lr=1e-2, micro_batch_tokens=40))
+    policy.init()
     if float64:  # in place: the optimizer keeps the same parameters
-        engine.model.double()
-    return TrainerLoop(cfg, engine, MemoryStream(), None, MetricsLogger(run_dir, "trainer"), run_dir)
+        policy.model.double()
+    return TrainerLoop(cfg, policy, MemoryStream(), None, MetricsLogger(run_dir, "trainer"), run_dir)
 
 
 STEPS = [  # rewards per group: mixed groups, all-right / all-wrong groups (advantage 0), then a step of only those
@@ -72,7 +72,7 @@ def test_zero_advantage_samples_skipped_with_the_same_update(tiny_model_dir, tmp
     skipping = make_loop(tiny_model_dir, tmp_path / "b", float64=True, **algo)
     every.skip_zero_advantage = False
     assert skipping.skip_zero_advantage  # the default when the loss has no KL or entropy term
-    before = {n: p.detach().clone() for n, p in every.engine.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in every.policy.model.named_parameters()}
     for step, rewards in enumerate(STEPS, start=1):
         for loop in (every, skipping):
             loop.stream.put(groups(step, rewards, random.Random(step)))
@@ -82,10 +82,10 @@ def test_zero_advantage_samples_skipped_with_the_same_update(tiny_model_dir, tmp
         assert a["trained_samples"] == G * GPS and b["trained_samples"] == G * mixed
         assert (a["lag_max"], a["tokens"], a["reward_mean"]) == (b["lag_max"], b["tokens"], b["reward_mean"])
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-12)
-        for (n, p), q in zip(every.engine.model.named_parameters(), skipping.engine.model.parameters()):
+        for (n, p), q in zip(every.policy.model.named_parameters(), skipping.policy.model.parameters()):
             assert (q - p).abs().max().item() <= 1e-10, (n, step, (q - p).abs().max().item())
     # the last step had no advantage at all, and the weights still moved (Adam's momentum), the same way
-    moved = max((p - before[n]).abs().max().item() for n, p in skipping.engine.model.named_parameters())
+    moved = max((p - before[n]).abs().max().item() for n, p in skipping.policy.model.named_parameters())
     assert moved > 1e-3
 
 
@@ -135,14 +135,14 @@ def test_sync_round_trains_only_after_all_of_its_groups_are_generated(tiny_model
         t = threading.Thread(target=lambda: (loop.step(), done.set()), daemon=True)
         t.start()
         assert not done.wait(1.5), "trained before the round's second half was generated"
-        assert loop.engine.version == 2 * rnd
+        assert loop.policy.version == 2 * rnd
         loop.stream.put(groups(first + 1, STEPS[1], rng))
         assert done.wait(60)
         t0 = time.monotonic()
         record = loop.step()  # the round's second step: its data is already in
         assert time.monotonic() - t0 < 30 and record["wait_s"] < 0.1
         loop.settle_push(block=True)
-        assert loop.engine.version == first + 1 and loop.sync.pushed == list(range(2, first + 2, 2))
+        assert loop.policy.version == first + 1 and loop.sync.pushed == list(range(2, first + 2, 2))
     assert [r["step"] for r in records(tmp_path, "weight_push")] == [2, 4]
 
 
@@ -190,16 +190,16 @@ def test_truncated_completions_train_per_mode(tiny_model_dir, tmp_path, mode):
     loop = make_loop(tiny_model_dir, tmp_path, float64=True, loss="grpo", truncated=mode)
     loop.cfg.pipeline.max_steps = 1  # the sync round: this step's groups
     step_groups = truncated_step(random.Random(7))
-    start = {k: v.clone() for k, v in loop.engine.model.state_dict().items()}
+    start = {k: v.clone() for k, v in loop.policy.model.state_dict().items()}
     expected = hand_gradient(tiny_model_dir, start, step_groups, mode)
     grads = {}
-    take_step = loop.engine.optimizer_step
+    take_step = loop.policy.optimizer_step
 
     def capture():
-        grads.update({n: p.grad.clone() for n, p in loop.engine.model.named_parameters()})
+        grads.update({n: p.grad.clone() for n, p in loop.policy.model.named_parameters()})
         return take_step()
 
-    loop.engine.optimizer_step = capture
+    loop.policy.optimizer_step = capture
     loop.stream.put(step_groups)
     rec = loop.step()
     for n, g in expected.items():  # HF's RMSNorm computes in float32 even in a float64 model: ~1e-7 relative
@@ -239,15 +239,15 @@ def test_a_step_of_only_masked_samples_still_steps(tiny_model_dir, tmp_path):
     loop.stream.put(every_cut)  # the sync round holds both steps' groups
     loop.step()
     grads = {}
-    take_step = loop.engine.optimizer_step
-    loop.engine.optimizer_step = lambda: (grads.update({n: p.grad.clone() for n, p in
-                                                        loop.engine.model.named_parameters()}), take_step())[1]
-    before = {n: p.detach().clone() for n, p in loop.engine.model.named_parameters()}
+    take_step = loop.policy.optimizer_step
+    loop.policy.optimizer_step = lambda: (grads.update({n: p.grad.clone() for n, p in
+                                                        loop.policy.model.named_parameters()}), take_step())[1]
+    before = {n: p.detach().clone() for n, p in loop.policy.model.named_parameters()}
     rec = loop.step()
     assert rec["masked_samples"] == G * GPS and rec["trained_samples"] == 0 and rec["tokens"] == 0
     assert rec["truncated_frac"] == 1.0 and rec["eos_frac"] == 0.0
     assert all(g is not None and g.abs().max().item() == 0.0 for g in grads.values())  # a gradient, all zeros
-    moved = max((p - before[n]).abs().max().item() for n, p in loop.engine.model.named_parameters())
+    moved = max((p - before[n]).abs().max().item() for n, p in loop.policy.model.named_parameters())
     assert moved > 1e-4  # Adam's momentum from the first step, as with any step without signal
 
 

@@ -106,8 +106,8 @@ def test_plan_cli_refuses_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
+    from inflight.config.tasks import TaskConfig
     from inflight.modelkit.build import make_model
-    from inflight.tasks.config import TaskConfig
 
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     out = tmp_path / "prof.json"
@@ -146,10 +146,10 @@ def test_profile_cli_measures_a_tiny_model(tmp_path, capsys):
 @pytest.mark.slow
 def test_server_curve_over_http(tmp_path):
     """The step-time curve of a running OpenAI-compatible server (here `inflight serve`; vLLM and SGLang alike)."""
+    from inflight.config.tasks import TaskConfig
     from inflight.engine.serve import ServerProcess
     from inflight.modelkit.build import make_model
     from inflight.plan.measure import measure_server
-    from inflight.tasks.config import TaskConfig
 
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     with ServerProcess(str(model), extra_args=["--threads", "1", "--max-model-len", "256"]) as server:

@@ -58,10 +58,10 @@ def test_ratios_are_geometric_means_against_the_profiles_own_point():
 def test_the_index_of_a_profile_just_measured_is_near_one(tmp_path):
     from inflight.cli import main
     from inflight.config import RunConfig, load_config
+    from inflight.config.tasks import TaskConfig
     from inflight.modelkit.build import make_model
     from inflight.plan.profile import Profile
     from inflight.plan.speed import measure_index
-    from inflight.tasks.config import TaskConfig
 
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     cfg_path = str(REPO / "configs" / "cpu-demo.yaml")

@@ -46,8 +46,8 @@ def test_rollout_asks_stock_servers_for_token_ids(adapter, asks):
     """Stock vLLM / SGLang return token ids only with return_token_ids; the built-in server always does."""
     import asyncio
 
-    from inflight.actor.config import ActorConfig
     from inflight.actor.rollout import RolloutClient
+    from inflight.config.actor import ActorConfig
 
     class RecordingPool:  # records the request body; answers with the recorded SGLang response
         payload: dict = {}

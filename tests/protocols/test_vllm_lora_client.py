@@ -101,10 +101,10 @@ def test_the_actor_asks_for_its_versions_adapter_and_stamps_it():
     """RolloutClient with `served`: a group asks for the adapter of the version it started at (the base model at
     version 0) and every token gets that version; a response served under another name is an error."""
     from inflight.actor.adapters import ResponseError, get_adapter
-    from inflight.actor.config import ActorConfig
     from inflight.actor.rollout import RolloutClient
     from inflight.actor.run import served_names
     from inflight.config import RunConfig, load_config
+    from inflight.config.actor import ActorConfig
 
     cfg = load_config(RunConfig, overrides=["trainer.protocol=vllm", "trainer.lora.rank=4", "actor.adapter=vllm",
                                             "trainer.lora.served_name=run7"])

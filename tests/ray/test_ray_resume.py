@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from inflight.actor.config import ActorConfig
+from inflight.config.actor import ActorConfig
 from tests.reliability.pipeline_helpers import base_overrides, kill_group, latest_step, launch, ports, records, wait_for
 
 pytest.importorskip("ray")

@@ -19,12 +19,12 @@ import torch.distributed.checkpoint.state_dict as dcp_state_dict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from inflight.config import RunConfig  # noqa: E402
+from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.pipeline.checkpoint import TRAIN_STATE, restore_trainer  # noqa: E402
 from inflight.pipeline.fsdp_loop import DistributedTrainerLoop  # noqa: E402
 from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
 from inflight.trainer import fsdp as fsdp_module  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
-from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402

@@ -18,11 +18,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from inflight.config import RunConfig  # noqa: E402
+from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.engine.serve import ServerProcess  # noqa: E402
 from inflight.pipeline.fsdp_loop import DistributedTrainerLoop  # noqa: E402
 from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
 from inflight.pipeline.restart import refused  # noqa: E402
-from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
 from inflight.trainer.protocols.inflight import WeightSyncClient  # noqa: E402
 from tests.reliability.test_weight_update_faults import SERVE  # noqa: E402

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from inflight.config import RunConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.engine.serve import ServerProcess
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.trainer_loop import TrainerLoop
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.single import SingleDeviceTrainer
 from tests.reliability.test_weight_update_faults import SERVE, greedy, version
@@ -67,14 +67,14 @@ def run_with_deadline(fn, seconds: float) -> tuple[object, BaseException | None,
 def make_loop(model_dir, run_dir, urls: list[str], bucket_bytes: int = 0) -> TrainerLoop:
     cfg = RunConfig()
     cfg.pipeline.weight_sync_retries, cfg.pipeline.startup_timeout_s = 2, 3.0
-    engine = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1))
-    engine.init()
+    policy = SingleDeviceTrainer(str(model_dir), TrainerConfig(threads=1))
+    policy.init()
     with torch.no_grad():  # new weights, so that an applied update is visible in the outputs
-        for p in engine.model.parameters():
+        for p in policy.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     sync = WeightSyncClient(urls, timeout_s=GROUP_TIMEOUT_S, bucket_bytes=bucket_bytes)
     sync.init_process_group()
-    return TrainerLoop(cfg, engine, None, sync, MetricsLogger(run_dir, "trainer"), run_dir)
+    return TrainerLoop(cfg, policy, None, sync, MetricsLogger(run_dir, "trainer"), run_dir)
 
 
 def token_versions(url: str) -> list[int]:
@@ -91,12 +91,12 @@ def test_server_killed_mid_broadcast(tiny_model_dir, tmp_path, prepared):
     loop = make_loop(tiny_model_dir, tmp_path, [a.url, b.url], bucket_bytes=4096 if prepared else 0)
 
     def weights():
-        return loop.sync.prepare(loop.engine.named_weights()) if prepared else loop.engine.named_weights()
+        return loop.sync.prepare(loop.policy.named_weights()) if prepared else loop.policy.named_weights()
 
     try:
         old = greedy(a.url)
         assert greedy(b.url) == old and version(a.url) == version(b.url) == 0
-        ntensors = len(list(loop.engine.named_weights()))
+        ntensors = len(list(loop.policy.named_weights()))
         assert ntensors > 6
         marks: dict = {}
         loop.sync.group = KillDuringBroadcast(loop.sync.group, b.proc.pid, after=3, marks=marks)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inflight.config.trainer import TrainerConfig
 from inflight.pipeline import checkpoint as ckpt
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 from tests.trainer.helpers import ReinforceLoss, random_samples
@@ -171,9 +171,9 @@ def test_actor_rebased_on_resume(tiny_model_dir):
     """The staleness bound right after a resume: the actor's counters start at the checkpoint, it continues the
     prompt order at prompt `next_group`, and nothing starts before the checkpoint's version is published."""
     from inflight.actor.actor import Actor
-    from inflight.actor.config import ActorConfig
+    from inflight.config.actor import ActorConfig
+    from inflight.config.tasks import TaskConfig
     from inflight.tasks import get_task
-    from inflight.tasks.config import TaskConfig
 
     task = get_task(TaskConfig(name="arith", eval_size=8))
     cfg = ActorConfig(groups_per_step=2, group_size=2, max_lag=1)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from inflight.actor.config import ActorConfig
+from inflight.config.actor import ActorConfig
 from tests.reliability.pipeline_helpers import base_overrides, latest_step, launch, records, wait_for
 
 pytestmark = pytest.mark.slow

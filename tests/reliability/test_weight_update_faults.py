@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from inflight.config import RunConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.engine.serve import ServerProcess
 from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.trainer_loop import TrainerLoop
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.single import SingleDeviceTrainer
 from tests.reliability.pipeline_helpers import records
@@ -38,14 +38,14 @@ def greedy(url: str) -> list[int]:
 def make_loop(tiny_model_dir, tmp_path, urls: list[str], retries: int) -> TrainerLoop:
     cfg = RunConfig()
     cfg.pipeline.weight_sync_retries, cfg.pipeline.startup_timeout_s = retries, 3.0
-    engine = SingleDeviceTrainer(str(tiny_model_dir), TrainerConfig(threads=1))
-    engine.init()
+    policy = SingleDeviceTrainer(str(tiny_model_dir), TrainerConfig(threads=1))
+    policy.init()
     with torch.no_grad():  # new weights, so that an applied update is visible in the outputs
-        for p in engine.model.parameters():
+        for p in policy.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     sync = WeightSyncClient(urls, timeout_s=30.0)
     sync.init_process_group()
-    return TrainerLoop(cfg, engine, None, sync, MetricsLogger(tmp_path, "trainer"), tmp_path)
+    return TrainerLoop(cfg, policy, None, sync, MetricsLogger(tmp_path, "trainer"), tmp_path)
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_server_down_then_back(tiny_model_dir, tmp_path):
         assert len(records(tmp_path, "weight_sync_retry")) >= 1
 
         b = ServerProcess(str(tiny_model_dir), port=b.port, extra_args=SERVE)  # back, on its old address
-        loop.engine.version = 2
+        loop.policy.version = 2
         loop.push(2)  # first attempt fails (b is in no group), the retry forms the group again
         assert version(a.url) == version(b.url) == 2
         assert greedy(a.url) == greedy(b.url)  # the same complete weights on both

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import TaskSample, Verdict
 from inflight.rewards import RewardService
 from inflight.tasks import get_task
-from inflight.tasks.config import TaskConfig
 
 FNS = "rewardfns:verify"
 

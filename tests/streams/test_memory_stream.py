@@ -6,10 +6,10 @@ import multiprocessing as mp
 import time
 
 import pytest
-
-from inflight.pipeline.config import PipelineConfig
-from inflight.streams import MemoryStream, StreamClosed, make_stream
 from streamdata import make_group, same_group
+
+from inflight.config.pipeline import PipelineConfig
+from inflight.streams import MemoryStream, StreamClosed, make_stream
 
 CTX = mp.get_context("spawn")
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 import redis
-
-from inflight.pipeline.config import PipelineConfig
-from inflight.streams import RedisStream, SerializationError, make_stream
 from streamdata import make_group, same_group
+
+from inflight.config.pipeline import PipelineConfig
+from inflight.streams import RedisStream, SerializationError, make_stream
 
 CTX = mp.get_context("spawn")
 

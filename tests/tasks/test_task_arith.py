@@ -5,10 +5,10 @@ from itertools import islice
 
 import pytest
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import Verdict
 from inflight.tasks import get_task
 from inflight.tasks.arith import evaluate, parse_expr
-from inflight.tasks.config import TaskConfig
 
 
 def _first(task, n=50, seed=0):

@@ -2,10 +2,10 @@
 
 import pytest
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import EnvTask, StepResult
 from inflight.tasks import get_task
 from inflight.tasks.arith_tool import CalcError, calculate
-from inflight.tasks.config import TaskConfig
 
 
 @pytest.mark.parametrize("expr,value", [

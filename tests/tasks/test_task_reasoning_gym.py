@@ -4,9 +4,9 @@ from itertools import islice
 
 import pytest
 
+from inflight.config.tasks import TaskConfig
 from inflight.contracts import Verdict
 from inflight.tasks import get_task
-from inflight.tasks.config import TaskConfig
 
 
 def _task(**kw):

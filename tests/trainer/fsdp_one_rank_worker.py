@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
+from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
-from inflight.trainer.config import TrainerConfig  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
 from tests.trainer.fsdp_worker import BUDGET, CFG, step_samples  # noqa: E402

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inflight.trainer.config import TrainerConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 
@@ -68,7 +68,7 @@ def test_fsdp2_two_ranks_equal_single(tied_model_dir, tmp_path):
 def test_fsdp2_lora_two_ranks_equal_single(tiny_model_dir, tmp_path):
     """A LoRA adapter on FSDP2 (frozen base sharded with trainable adapter): same 3 steps as one process, only the
     adapter trained, saved in PEFT's format and loaded back exactly (in the worker)."""
-    from inflight.trainer.config import LoraConfig
+    from inflight.config.trainer import LoraConfig
 
     from .fsdp_worker import LORA
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inflight.trainer.config import TrainerConfig
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 

@@ -3,9 +3,9 @@
 import torch
 
 from inflight.algo import AlgoConfig, compute_advantages, make_loss, merge_stats
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
 from inflight.trainer.accumulate import StepAccumulator
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import count_loss_tokens
 from inflight.trainer.single import SingleDeviceTrainer
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from inflight.config.trainer import LoraConfig, TrainerConfig
 from inflight.contracts import ParamInfo, adapter_pairs
-from inflight.trainer.config import LoraConfig, TrainerConfig
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 

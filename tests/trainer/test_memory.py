@@ -7,8 +7,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from inflight.config import ConfigError, RunConfig, load_config
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer import memory
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.optim import build_optimizer, fused_supported
 from inflight.trainer.single import SingleDeviceTrainer, check_config
 

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
 from inflight.trainer import attention, prefix, row_attention
 from inflight.trainer.attention import packed_call, packed_mask
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.logprobs import uniform
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.prefix import shared_layout

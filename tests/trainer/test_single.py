@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
+from inflight.config.trainer import TrainerConfig
 from inflight.contracts import TrainEngine
 from inflight.trainer.accumulate import StepAccumulator
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.factory import make_trainer
 from inflight.trainer.optim import lr_factor
 from inflight.trainer.packing import count_loss_tokens, pack_samples

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer import single, varlen
-from inflight.trainer.config import TrainerConfig
 from inflight.trainer.packing import collate
 from inflight.trainer.prefix import shared_layout
 from inflight.trainer.single import (

@@ -16,14 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from inflight.backends import protocol_module, resolve
+from inflight.config import RunConfig
 
 
-def protocol_of(cfg: Any) -> Any:
+def protocol_of(cfg: RunConfig) -> Any:
     """The module of `cfg.trainer.protocol`'s client (a ValueError naming the known ones if there is none)."""
     return resolve(protocol_module(cfg.trainer.protocol))
 
 
-def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
+def make_weight_sync(cfg: RunConfig, server_urls: list[str]) -> Any:
     """The weight client `cfg.trainer.protocol` names, configured from the run config."""
     module, t = protocol_of(cfg), cfg.trainer
     common = dict(api_key=cfg.server.api_key or None, master_address=cfg.pipeline.weight_sync_host,
@@ -32,13 +33,13 @@ def make_weight_sync(cfg: Any, server_urls: list[str]) -> Any:
     return module.make_client(cfg, server_urls, common)
 
 
-def check_protocol_config(cfg: Any) -> None:
+def check_protocol_config(cfg: RunConfig) -> None:
     """The protocol's own checks of the run config (e.g. trainer.lora with a stock server), at config time
     (pipeline/launch_common.py) and again by the factory."""
     protocol_of(cfg).check_config(cfg)
 
 
-def require_process_group(cfg: Any) -> None:
+def require_process_group(cfg: RunConfig) -> None:
     """Stock-server protocols receive over a process group only."""
     t = cfg.trainer
     if t.weight_transport != "process_group":

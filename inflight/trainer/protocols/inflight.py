@@ -45,6 +45,7 @@ from typing import Any, Iterable
 
 import torch
 
+from inflight.config import RunConfig
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
 from inflight.host import free_port
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
@@ -403,11 +404,11 @@ class WeightSyncClient(ProtocolClient):
             self._ipc.discard()
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RunConfig) -> None:
     """Every trainer setting works with the contract (adapter updates included)."""
 
 
-def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> WeightSyncClient:
+def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> WeightSyncClient:
     t = cfg.trainer
     return WeightSyncClient(server_urls, transport=t.weight_transport, shm_dir=t.shm_dir, shm_lend=t.shm_lend,
                             bucket_bytes=int(t.weight_bucket_mb * 2**20), **common)

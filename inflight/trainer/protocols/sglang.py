@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
+from inflight.config import RunConfig
 from inflight.trainer.protocols.common import DTYPE_NAMES, ProtocolClient, TorchGroup, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.sglang")
@@ -94,13 +95,13 @@ def _td(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RunConfig) -> None:
     if getattr(cfg.trainer, "lora", None) is not None:
         raise ValueError("trainer.lora with trainer.protocol=sglang is not supported (SGLang's /load_lora_adapter has "
                          "never run here); use trainer.protocol=vllm (stock vLLM with --enable-lora) or inflight")
 
 
-def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
+def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> Any:
     from inflight.trainer.protocols import require_process_group
 
     check_config(cfg)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from inflight.config import RunConfig
 from inflight.trainer.protocols.common import DTYPE_NAMES, Broadcaster, ProtocolClient, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.vllm")
@@ -115,7 +116,7 @@ class VLLMWeightSync(ProtocolClient):
                 "pause_s": {u: pause for u in self.urls}}
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: RunConfig) -> None:
     """trainer.lora with stock vLLM servers: vLLM's runtime LoRA loading (vllm_lora.py)."""
     if getattr(cfg.trainer, "lora", None) is None:
         return
@@ -127,7 +128,7 @@ def check_config(cfg: Any) -> None:
                          "version's adapter by name)")
 
 
-def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
+def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> Any:
     from inflight.trainer.protocols import require_process_group
 
     t = cfg.trainer
@@ -141,7 +142,7 @@ def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any
     return VLLMWeightSync(server_urls, **{k: v for k, v in common.items() if k != "backend"})
 
 
-def vllm_lora_client(cfg: Any, server_urls: list[str]) -> Any:
+def vllm_lora_client(cfg: RunConfig, server_urls: list[str]) -> Any:
     """The adapter client for stock vLLM servers: folders under trainer.lora.served_dir (default
     <run dir>/served_adapters), the last actor.max_lag + 2 versions loaded (a running group may use any of them)."""
     import os

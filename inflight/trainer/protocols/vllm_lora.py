@@ -39,9 +39,8 @@ from typing import Iterable
 import httpx
 import torch
 
-from inflight.contracts import ParamInfo, adapter_pairs
+from inflight.contracts import ParamInfo, adapter_pairs, served_adapter_name
 from inflight.finite import nonfinite
-from inflight.trainer.config import served_adapter_name
 from inflight.trainer.lora import to_peft_names
 from inflight.trainer.protocols.common import DTYPE_NAMES, WeightSyncError, error_text, unique_tensors
 

@@ -17,12 +17,6 @@ class LoraConfig:
     served_dir: str = ""
 
 
-def served_adapter_name(prefix: str, version: int) -> str:
-    """The name a LoRA run's adapter of `version` is loaded under on stock vLLM servers (trainer.protocol=vllm):
-    requests that name it run under exactly that version (vllm_lora.py)."""
-    return f"{prefix}-v{int(version)}"
-
-
 @dataclass
 class TrainerConfig:
     backend: str = "single"  # single | fsdp2

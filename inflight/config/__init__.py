@@ -13,15 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-from inflight.actor.config import ActorConfig
-from inflight.algo.config import AlgoConfig
-from inflight.engine.config import ServerConfig
-from inflight.pipeline.config import PipelineConfig
-from inflight.tasks.config import TaskConfig
-from inflight.trainer.config import TrainerConfig
+from inflight.config.actor import ActorConfig
+from inflight.config.algo import AlgoConfig
+from inflight.config.engine import ServerConfig
+from inflight.config.pipeline import PipelineConfig
+from inflight.config.tasks import TaskConfig
+from inflight.config.trainer import TrainerConfig
 
 T = TypeVar("T")
 
@@ -61,6 +58,8 @@ def _valid_keys(schema: Any, prefix: str = "") -> list[str]:
 
 
 def _explain(exc: Exception, schema: type) -> ConfigError:
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError  # lazy: start-up cost
+
     key = getattr(exc, "full_key", None) or ""
     if isinstance(exc, (ConfigAttributeError, ConfigKeyError)):
         close = difflib.get_close_matches(key, _valid_keys(schema), n=1, cutoff=0.5)
@@ -74,6 +73,9 @@ def _explain(exc: Exception, schema: type) -> ConfigError:
 
 def load_config(schema: type[T], yaml_path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Schema defaults <- YAML file <- `key.sub=value` overrides; returns a plain dataclass instance."""
+    from omegaconf import OmegaConf  # lazy: start-up cost (~0.2 s) for users of the dataclasses alone
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError  # lazy: as above
+
     try:
         cfg = OmegaConf.structured(schema)
         if yaml_path is not None:
@@ -90,11 +92,14 @@ def load_config(schema: type[T], yaml_path: str | Path | None = None, overrides:
         raise _explain(exc, schema) from None
 
 
-def to_yaml(cfg: Any) -> str:
+def to_yaml(cfg: object) -> str:
+    """Any config dataclass instance (a RunConfig, one role's config) as YAML."""
+    from omegaconf import OmegaConf  # lazy: start-up cost (~0.2 s) for users of the dataclasses alone
+
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_config(cfg: Any, run_dir: str | Path) -> Path:
+def save_config(cfg: object, run_dir: str | Path) -> Path:
     """Every run writes its resolved config next to its outputs."""
     path = Path(run_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
