@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from inflight.config import RunConfig, load_config
 from inflight.modelkit.build import SIZES, make_model
 
 
@@ -20,8 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.config import RunConfig, load_config
-
     cfg = load_config(RunConfig, args.config, args.overrides)
     if args.task:
         cfg.task.name = args.task

@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from inflight.config import ConfigError, RunConfig, load_config
 from inflight.plan.runs import read_run
 from inflight.plan.workload import Lengths, from_run_config
 
@@ -51,7 +52,6 @@ def _lengths(args: argparse.Namespace, max_new: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.config import ConfigError, RunConfig, load_config
     from inflight.plan import split  # lazy: it imports Profile (pydantic, ~0.3 s); `plan --help` needs neither
     from inflight.plan.profile import Profile  # lazy: pydantic (~0.3 s); `plan --help` answers without it
 

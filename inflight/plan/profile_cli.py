@@ -16,6 +16,7 @@ import platform
 import sys
 
 from inflight import backends
+from inflight.config import ConfigError, RunConfig, load_config
 from inflight.plan.profile import Profile, TrainerProfile
 
 
@@ -66,8 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.config import ConfigError, RunConfig, load_config
-
     try:
         cfg = load_config(RunConfig, args.config, args.overrides)
     except (ConfigError, OSError) as exc:

@@ -19,6 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from inflight.config import RunConfig, load_config
 from inflight.plan.contention import slowed
 from inflight.plan.measure import measure_engine, trainer_bench
 from inflight.plan.profile import Profile
@@ -70,8 +71,6 @@ def rescaled(profile: Profile, trainer: float, engine: float) -> Profile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from inflight.config import RunConfig, load_config
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
