@@ -28,7 +28,11 @@ def get_task(cfg: TaskConfig) -> Task:
         from inflight.tasks.reasoning_gym_task import ReasoningGymTask
 
         return ReasoningGymTask(cfg)
-    if cfg.name == "verifiers":
+    if cfg.name == "verifiers":  # verifiers 0.4's stack (verifiers.v1) or the classic API (0.1-0.3)
+        from inflight.tasks.verifiers_v1 import VerifiersV1Task, is_v1_installed
+
+        if is_v1_installed():
+            return VerifiersV1Task(cfg)
         from inflight.tasks.verifiers_env import VerifiersTask
 
         return VerifiersTask(cfg)
