@@ -4,22 +4,24 @@
 # transformers, inflight's editable install) through a .pth file and installs over them only what 0.4 needs that
 # differs (verifiers 0.4, openai 2.x, mcp 2.x), plus uv, which 0.4's chat-loop harnesses run with. It then warms uv's
 # cache with the harness program's packages, so a test's first episode does not download them.
-# Idempotent: a stamp file makes a second run a no-op. Usage: scripts/verifiers04-env.sh [VENV_DIR] [PROJECT_PYTHON]
+# Idempotent: with its stamp file a second run only re-points the .pth at PROJECT_PYTHON's packages (the venv may be
+# shared by checkouts: `make test-verifiers04` keeps it in the user cache).
+# Usage: scripts/verifiers04-env.sh [VENV_DIR] [PROJECT_PYTHON]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.cache/verifiers04-venv}"
 PROJECT_PY="${2:-${PROJECT_PY:-.venv/bin/python}}"
 VERIFIERS_SPEC="${VERIFIERS_SPEC:-verifiers==0.4.0}"
 STAMP="$VENV/.inflight-verifiers04-ready"
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import verifiers.v1" 2>/dev/null; then
-    echo "verifiers 0.4 test venv ready: $VENV"; exit 0
-fi
 BASE_PY=$("$PROJECT_PY" -c "import sys; print(sys._base_executable)")
 SITE=$("$PROJECT_PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 test -x "$VENV/bin/python" || "$BASE_PY" -m venv "$VENV"
 VSITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # a site dir after the venv's own (ours win); addsitedir also reads its .pth files (inflight's editable install)
 echo "import site; site.addsitedir('$SITE')" > "$VSITE/inflight-project-venv.pth"
+if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('verifiers') < '0.4')" 2>/dev/null; then
+    echo "verifiers 0.4 test venv ready: $VENV"; exit 0
+fi
 "$VENV/bin/python" -m pip install -q "$VERIFIERS_SPEC" uv
 "$VENV/bin/python" - <<'PY'
 import subprocess, sys, tempfile

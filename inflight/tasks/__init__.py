@@ -29,7 +29,7 @@ def get_task(cfg: TaskConfig) -> Task:
 
         return ReasoningGymTask(cfg)
     if cfg.name == "verifiers":  # verifiers 0.4's stack (verifiers.v1) or the classic API (0.1-0.3)
-        from inflight.tasks.verifiers_v1 import VerifiersV1Task, is_v1_installed
+        from inflight.tasks.verifiers_v1 import VerifiersV1Task, is_v1_installed  # lazy: per task
 
         if is_v1_installed():
             return VerifiersV1Task(cfg)

@@ -32,6 +32,6 @@ class TaskConfig:
     # arith_tool: one worked exchange before the question (a question, <calc>12*34</calc>, the tool's 408, \boxed{408}):
     # a small instruct model that has never seen the tool calls it in ~10% of samples with it, ~0-2% without
     tool_demo: bool = False
-    # verifiers: an environment of the verifiers library (tasks/verifiers_env.py; pip install 'inflight-rl[verifiers]')
-    env: str = ""  # the id of an installed environment package, a python module, or a .py file with load_environment
-    env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its load_environment
+    # verifiers: an environment of the verifiers library (0.1-0.3: tasks/verifiers_env.py, 0.4: tasks/verifiers_v1.py)
+    env: str = ""  # an installed environment package or module (0.4: a taskset id), or a .py file defining it
+    env_args: dict[str, Any] = field(default_factory=dict)  # its load_environment's kwargs (0.4: its [env] block)

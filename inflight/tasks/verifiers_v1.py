@@ -83,9 +83,9 @@ def load_v1_environment(env: str, env_args: dict[str, Any]) -> Any:
     """verifiers' `load_environment(EnvConfig)`: task.env is the taskset id, env_args the rest of the [env] block.
     Agents without a runtime of their own run in the local `subprocess` runtime (0.4's default is a remote
     sandbox)."""
-    import verifiers.v1 as vf
-    from verifiers.v1.configs.agent import agent_config_fields
-    from verifiers.v1.runtimes import SubprocessConfig
+    import verifiers.v1 as vf  # lazy: verifiers 0.4 is optional
+    from verifiers.v1.configs.agent import agent_config_fields  # lazy: verifiers 0.4 is optional
+    from verifiers.v1.runtimes import SubprocessConfig  # lazy: verifiers 0.4 is optional
 
     if not env:
         raise VerifiersError("task.name=verifiers: set task.env to a taskset id, a module or a .py file")
@@ -219,7 +219,11 @@ class _Runner:
     def submit(self, coro: Any) -> Any:
         """Run `coro` on the environment's loop once it serves; a concurrent.futures.Future."""
         async def run() -> Any:
-            await self._ensure()
+            try:
+                await self._ensure()
+            except BaseException:
+                coro.close()  # never started: no "never awaited" warning
+                raise
             return await coro
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop)
@@ -244,7 +248,8 @@ class VerifiersV1Episode:
         self.task, self.sample = task, sample
         self.runner = task.runner
         self.channel: _Channel | None = None
-        self.run: Any = None  # concurrent.futures.Future of the episode
+        self.running: asyncio.Task[None] | None = None  # verifiers' run_episode, on the environment's loop
+        self.tools = False  # the episode's model requests list tools: replies are read for tool calls
         self.prompt: list[Any] = []  # the pending request's messages (verifiers' message objects)
         self.tool_calls = 0
         self.done = False
@@ -260,7 +265,7 @@ class VerifiersV1Episode:
 
     async def close(self) -> None:
         """An episode that ended without done (truncated, failed): stop verifiers' rollout (its harness program)."""
-        if self.run is not None and not self.done:
+        if self.running is not None and not self.done:
             self.done = True
             await self._on_loop(self._cancel())
 
@@ -268,16 +273,14 @@ class VerifiersV1Episode:
         ch = self.channel
         if ch is not None and ch.reply is not None and not ch.reply.done():
             ch.reply.set_exception(VerifiersError("inflight ended the episode"))
-        self._episode_task.cancel()
-        try:
-            await self._episode_task
-        except BaseException:  # noqa: BLE001 - its cancellation or failure: the episode is over either way
-            pass
+        assert self.running is not None
+        self.running.cancel()
+        await asyncio.gather(self.running, return_exceptions=True)
         if ch is not None and ch.trace_id is not None:
             _CHANNELS.pop(ch.trace_id, None)
 
     async def _reset(self, sample: TaskSample) -> list[dict[str, str]]:
-        import verifiers.v1 as vf
+        import verifiers.v1 as vf  # lazy: verifiers 0.4 is optional
 
         _install_client()
         ch = self.channel = _Channel()
@@ -293,17 +296,15 @@ class VerifiersV1Episode:
             try:
                 result = await self.task.env.run_episode(sample.meta["vf_task"], ctx, on_trace=on_trace)
                 ch.events.put_nowait(("done", result))
-            except BaseException as e:
+            except Exception as e:  # noqa: BLE001 - the episode's failure, reported by the step that waits for it
                 ch.events.put_nowait(("error", e))
-                raise
             finally:
                 if ch.trace_id is not None:
                     _CHANNELS.pop(ch.trace_id, None)
 
         ctx = vf.ModelContext(model="inflight", client=vf.TrainClientConfig(base_url=INFLIGHT_URL,
                                                                            api_key_var="INFLIGHT_VF_UNUSED"))
-        self._episode_task = asyncio.get_running_loop().create_task(episode())
-        self.run = self._episode_task
+        self.running = asyncio.get_running_loop().create_task(episode())
         kind, value = await ch.events.get()
         if kind != "request":
             raise VerifiersError(f"the environment ended the episode before the first model turn: {_why(value)}")
@@ -384,9 +385,9 @@ class _InflightClient:
 
     async def get_response(self, dialect: Any, body: dict, sampling: Any, session_id: str | None = None,
                            turn: Any = None, headers: Any = None) -> Any:
-        from verifiers.v1.clients.train import serialize_completion
-        from verifiers.v1.dialects import ChatDialect
-        from verifiers.v1.types import AssistantMessage, Response, ToolCall
+        from verifiers.v1.clients.train import serialize_completion  # lazy: verifiers 0.4 is optional
+        from verifiers.v1.dialects import ChatDialect  # lazy: verifiers 0.4 is optional
+        from verifiers.v1.types import AssistantMessage, Response, ToolCall  # lazy: verifiers 0.4 is optional
 
         if not isinstance(dialect, ChatDialect):
             raise VerifiersError(f"the harness speaks {type(dialect).__name__}: inflight serves chat completions")
@@ -414,8 +415,8 @@ class _InflightClient:
 def _install_client() -> None:
     """verifiers' interception server builds its clients with `resolve_client(config)`: the sentinel config
     resolves to inflight's client, every other one (a judge's endpoint) as before."""
-    from verifiers.v1.clients import Client
-    from verifiers.v1.interception import server
+    from verifiers.v1.clients import Client  # lazy: verifiers 0.4 is optional
+    from verifiers.v1.interception import server  # lazy: verifiers 0.4 is optional
 
     client_cls = type("InflightClient", (_InflightClient, Client), {})
     original = server.resolve_client

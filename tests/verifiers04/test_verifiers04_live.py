@@ -35,7 +35,7 @@ def server(smollm2_dir):
 def test_episode_exact_tokens_and_the_rubrics_reward(kind, server, smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     task = get_task(vf04_task(kind))
-    samples = task.eval_samples()[:2]
+    samples = task.eval_samples()[:2 if kind == "tool" else 1]  # two tool episodes: more chances of a call
 
     async def main():
         pool = ServerPool([server.url], retries=1, request_timeout_s=60)
@@ -90,12 +90,12 @@ def test_inflight_train_3_steps(kind, smollm2_dir, tmp_path):
         f"pipeline.weight_sync_port={free_port()}", "trainer.threads=1", "trainer.lr=2e-5",
         "pipeline.progress=false", "pipeline.tensorboard=false", "task.name=verifiers",
         f"task.env={ENVS / KINDS[kind]}", "task.eval_size=4", "task.max_turns=4", "task.env_timeout_s=120",
-        "actor.group_size=2", "actor.groups_per_step=2", "actor.max_new_tokens=24", "actor.temperature=1.0",
+        "actor.group_size=2", "actor.groups_per_step=1", "actor.max_new_tokens=24", "actor.temperature=1.0",
         "actor.max_lag=1", "actor.eval_every=0", "pipeline.max_steps=3",
     ], timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = records(run, "train_step")
-    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["samples"] == 4 for r in steps)
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["samples"] == 2 for r in steps)
     actor = [r for r in records(run, "actor") if "episode_turns_mean" in r]
     assert actor, "no episode reached the actor's records"
     for r in actor:  # the episodes' rewards are their rubric's: the weighted sum of its reward functions
