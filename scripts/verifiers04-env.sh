@@ -19,7 +19,7 @@ test -x "$VENV/bin/python" || "$BASE_PY" -m venv "$VENV"
 VSITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # a site dir after the venv's own (ours win); addsitedir also reads its .pth files (inflight's editable install)
 echo "import site; site.addsitedir('$SITE')" > "$VSITE/inflight-project-venv.pth"
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('verifiers') < '0.4')" 2>/dev/null; then
+if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(tuple(int(x) for x in m.version('verifiers').split('.')[:2]) < (0, 4))" 2>/dev/null; then
     echo "verifiers 0.4 test venv ready: $VENV"; exit 0
 fi
 "$VENV/bin/python" -m pip install -q "$VERIFIERS_SPEC" uv
