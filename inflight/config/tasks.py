@@ -32,8 +32,9 @@ class TaskConfig:
     # arith_tool: one worked exchange before the question (a question, <calc>12*34</calc>, the tool's 408, \boxed{408}):
     # a small instruct model that has never seen the tool calls it in ~10% of samples with it, ~0-2% without
     tool_demo: bool = False
-    # verifiers: an environment of the verifiers library (tasks/verifiers_env.py; pip install 'inflight-rl[verifiers]')
+    # verifiers: an environment of the verifiers library (0.1-0.3: tasks/verifiers_env.py, 0.4: tasks/verifiers_v1.py;
+    # pip install 'inflight-rl[verifiers]')
     # openenv: an OpenEnv environment server (tasks/openenv_env.py; pip install openenv-core); its env_args: renderer,
     # action_parser ('module:function'), reward (sum | final), reset_args, max_sessions
-    env: str = ""  # verifiers: environment id / module / file.py; openenv: the server's URL (http://host:port)
-    env_args: dict[str, Any] = field(default_factory=dict)  # verifiers: load_environment kwargs; openenv: docs/architecture.md
+    env: str = ""  # verifiers: environment id / module / file.py (0.4: a taskset id); openenv: the server's URL
+    env_args: dict[str, Any] = field(default_factory=dict)  # verifiers: load_environment kwargs (0.4: its [env] block); openenv: docs/architecture.md

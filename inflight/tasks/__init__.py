@@ -13,6 +13,7 @@ from inflight.tasks.math_jsonl import MathJsonlTask
 from inflight.tasks.openenv_env import OpenEnvTask
 from inflight.tasks.reasoning_gym_task import ReasoningGymTask
 from inflight.tasks.verifiers_env import VerifiersTask
+from inflight.tasks.verifiers_v1 import VerifiersV1Task, is_v1_installed
 
 TASKS = ("arith", "arith_tool", "math_jsonl", "reasoning_gym", "verifiers", "openenv")
 
@@ -27,7 +28,9 @@ def get_task(cfg: TaskConfig) -> Task:
         return MathJsonlTask(cfg)
     if cfg.name == "reasoning_gym":
         return ReasoningGymTask(cfg)
-    if cfg.name == "verifiers":
+    if cfg.name == "verifiers":  # verifiers 0.4's stack (verifiers.v1) or the classic API (0.1-0.3)
+        if is_v1_installed():
+            return VerifiersV1Task(cfg)
         return VerifiersTask(cfg)
     if cfg.name == "openenv":
         return OpenEnvTask(cfg)
