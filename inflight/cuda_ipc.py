@@ -227,7 +227,8 @@ class IpcWriter:
             raise IpcError(f"cannot reserve {size / 2**20:.0f} MiB in {self.shm_dir}: {e.strerror}") from None
         os.close(fd)
         storage = torch.UntypedStorage.from_file(path, True, size)
-        self.buf = torch.empty(0, dtype=torch.uint8).set_(storage)
+        # torch's stub gives from_file any storage type; it returns an UntypedStorage, which set_ takes
+        self.buf = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         self.path, self.handle = path, export_buffer(self.buf, path)
         self._finalizer = weakref.finalize(self, _unlink, path)
 

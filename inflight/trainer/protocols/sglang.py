@@ -15,12 +15,14 @@ SGLang answers {"success": bool, "message": str}; `success: false` is an error h
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from typing import Any, Iterable
 
 import torch
 
+from inflight.trainer.protocols import require_process_group
 from inflight.trainer.protocols.common import DTYPE_NAMES, ProtocolClient, TorchGroup, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.sglang")
@@ -88,9 +90,7 @@ class SGLangWeightSync(ProtocolClient):
         super().close()
 
 
-def _td(seconds: float):
-    import datetime
-
+def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
@@ -101,8 +101,6 @@ def check_config(cfg: Any) -> None:
 
 
 def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
-    from inflight.trainer.protocols import require_process_group
-
     check_config(cfg)
     require_process_group(cfg)
     return SGLangWeightSync(server_urls, **common)
