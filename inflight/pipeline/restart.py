@@ -94,7 +94,8 @@ def rejoin_weight_group(sync: Any, timeout_s: float, api_key: str = "") -> None:
         time.sleep(0.5)
     if sync.transport == "file":
         return
-    sync.group, sync.store, sync.master_port = None, None, 0
+    sync.drop_group()  # shut down and freed off this thread: a broadcast still in flight on it never blocks here
+    sync.master_port = 0
     sync.init_process_group()
 
 
