@@ -95,9 +95,10 @@ def rejoin_weight_group(sync: Any, timeout_s: float, api_key: str = "") -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"servers not back after {timeout_s:.0f} s: {server_versions(sync.urls, api_key)}")
         time.sleep(0.5)
-    if sync.transport == "file":
+    if getattr(sync, "transport", None) == "file":  # only the built-in protocol has a file transport
         return
-    sync.group, sync.store, sync.master_port = None, None, 0
+    sync.drop_group()  # shut down and freed off this thread: a broadcast still in flight on it never blocks here
+    sync.master_port = 0
     sync.init_process_group()
 
 

@@ -75,6 +75,7 @@ class StepAccumulator:
             return []
         if not flush and (n_tokens is None or sum(len(s) for s, _ in self.pending) < self.budget):
             return []
+        assert n_tokens is not None  # counted above when flushing; otherwise a partial pack waited for it
         bins = first_fit_decreasing([len(s) for s, _ in self.pending], self.budget)
         if not flush:
             bins.sort(key=lambda b: sum(len(self.pending[i][0]) for i in b))

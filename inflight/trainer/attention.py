@@ -32,7 +32,8 @@ from inflight.trainer.row_attention import Rows, row_attention, usable
 
 NAME = "inflight_packed"
 _PACKED_CALL = contextvars.ContextVar("inflight_packed_call", default=False)
-_INDEX_CACHE: dict[tuple, list] = {}  # (sample bounds, device) -> per-bucket indices, for the layers of one forward
+_INDEX_CACHE: dict[tuple, list | Rows] = {}  # (sample bounds, device) -> per-bucket indices (or the C attention's
+# rows), for the layers of one forward
 
 
 @contextlib.contextmanager
@@ -52,10 +53,12 @@ def packed_mask(*args, **kwargs) -> torch.Tensor | None:
     return None if _PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
 
 
-def _bucket_index(starts: list[int], lengths: list[int], members: list[int], device) -> tuple[torch.Tensor, ...]:
-    """Flat indices mapping the bucket's padded [B * L] layout to packed positions (real cells only)."""
+def _bucket_index(starts: list[int], lengths: list[int], members: list[int],
+                  device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Flat indices mapping the bucket's padded [B * L] layout to packed positions (real cells only), and L."""
     width = max(lengths[i] for i in members)
-    src, dst = [], []
+    src: list[int] = []
+    dst: list[int] = []
     for row, i in enumerate(members):
         src.extend(range(starts[i], starts[i] + lengths[i]))
         dst.extend(range(row * width, row * width + lengths[i]))
@@ -66,8 +69,9 @@ def _buckets(cu_seq_lens: torch.Tensor, device) -> list:
     """[(members, src, dst, width)] per length bucket; cached while inside `packed_call()`."""
     bounds = cu_seq_lens.tolist()
     key = (tuple(bounds), str(device))
-    if key in _INDEX_CACHE:
-        return _INDEX_CACHE[key]
+    cached = _INDEX_CACHE.get(key)
+    if isinstance(cached, list):
+        return cached
     starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     out = [(members, *_bucket_index(starts, lengths, members, device)) for members in length_buckets(lengths)]
     if _PACKED_CALL.get():
@@ -78,14 +82,15 @@ def _buckets(cu_seq_lens: torch.Tensor, device) -> list:
 
 def _rows(cu_seq_lens: torch.Tensor) -> Rows:
     """One row per sample for the C attention; cached like the buckets."""
-    key = ("rows", tuple(cu_seq_lens.tolist()))
-    if key not in _INDEX_CACHE:
-        bounds = key[1]
-        rows = Rows.packed([e - s for s, e in zip(bounds[:-1], bounds[1:])])
-        if not _PACKED_CALL.get():
-            return rows
+    bounds = cu_seq_lens.tolist()
+    key = ("rows", tuple(bounds))
+    cached = _INDEX_CACHE.get(key)
+    if isinstance(cached, Rows):
+        return cached
+    rows = Rows.packed([e - s for s, e in zip(bounds[:-1], bounds[1:])])
+    if _PACKED_CALL.get():
         _INDEX_CACHE[key] = rows
-    return _INDEX_CACHE[key]
+    return rows
 
 
 def packed_sdpa(
@@ -109,6 +114,7 @@ def packed_sdpa(
         raise ValueError(f"attention '{NAME}' with cu_seq_lens_q needs one packed row, got {query.shape[0]}")
     if inflight_layout is not None:  # shared prompts (prefix.py)
         return shared_sdpa(query, key, value, inflight_layout, dropout, scaling), None
+    assert cu_seq_lens_q is not None  # one of the two, and not the layout
     if dropout == 0.0 and usable(query, key, value):
         return row_attention(query, key, value, _rows(cu_seq_lens_q), scaling), None
     gqa = query.shape[1] != key.shape[1]  # grouped-query attention: SDPA shares each kv head (no repeat copies)
@@ -121,7 +127,8 @@ def packed_sdpa(
             buf = x.new_zeros(len(members) * width, x.shape[1], x.shape[2])
             buf = buf.index_copy(0, dst, x.index_select(0, src))
             padded.append(buf.view(len(members), width, x.shape[1], x.shape[2]).transpose(1, 2))
-        o = F.scaled_dot_product_attention(*padded, dropout_p=dropout, is_causal=True, scale=scaling,
+        pq, pk, pv = padded
+        o = F.scaled_dot_product_attention(pq, pk, pv, dropout_p=dropout, is_causal=True, scale=scaling,
                                            enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(len(members) * width, heads, -1)
         out = out.index_copy(0, src, o.index_select(0, dst))

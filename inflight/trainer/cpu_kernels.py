@@ -30,6 +30,14 @@ def lib() -> ctypes.CDLL | None:
     return build_and_open(SOURCE, _SIGNATURES)
 
 
+def kernels() -> ctypes.CDLL:
+    """The built library, for callers that checked `usable()`."""
+    found = lib()
+    if found is None:
+        raise RuntimeError("the trainer's CPU kernels are not built on this machine (check usable() first)")
+    return found
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """All float32 CPU tensors, torch on one thread, and the library built here. The kernels are single-threaded:
     with 2 threads torch's own ops were faster (small model, SFT batch: a step of 1.59 s with the kernels against

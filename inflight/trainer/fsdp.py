@@ -26,12 +26,16 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, ValueType, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from inflight.contracts import tied_aliases
 from inflight.config.trainer import TrainerConfig
+from inflight.trainer.fused import fuse_modules
+from inflight.trainer.lora import check_adapter_fits, is_lora, read_adapter, save_adapter
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
 
@@ -63,11 +67,9 @@ class FSDP2Trainer(SingleDeviceTrainer):
         self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
         self.cpu_group: dist.ProcessGroup | None = None  # gloo over all ranks, for CPU tensors (init)
-        self.skeleton: torch.nn.Module | None = None  # rank 0: what save() writes the HF folder with (init)
+        self.skeleton: PreTrainedModel | None = None  # rank 0: what save() writes the HF folder with (init)
 
     def init(self) -> None:
-        from transformers import AutoTokenizer
-
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         cuda = self.cfg.device.startswith("cuda")
@@ -91,17 +93,13 @@ class FSDP2Trainer(SingleDeviceTrainer):
         # non-persistent buffers (rotary inv_freq) by a broadcast each.
         source = load_model(self.model_path, self.cfg, "cpu") if self.rank == 0 else None
         model = self._meta_model()
-        mp = None
+        mp = MixedPrecisionPolicy()  # fully_shard's default: no casts
         if self.cfg.precision == "bf16-mixed":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs = {"mp_policy": mp} if mp is not None else {}
-        if cuda:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            kwargs["mesh"] = init_device_mesh("cuda", (self.world_size,))
+        mesh: DeviceMesh | None = init_device_mesh("cuda", (self.world_size,)) if cuda else None
         for block in _blocks(model):
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum: losses already normalise by the whole step
@@ -115,13 +113,11 @@ class FSDP2Trainer(SingleDeviceTrainer):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
 
-    def _skeleton(self) -> torch.nn.Module:
+    def _skeleton(self) -> PreTrainedModel:
         """The model_path architecture on the meta device with the folder's config and generation config, read once
         here: save() writes checkpoints with its save_pretrained (HF's layout: tied aliases dropped, shards, the
         config as loaded), never reading model_path again (a resumed run's model_path is a checkpoint that pruning
         deletes)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path), dtype=torch.float32)
         if os.path.isfile(os.path.join(self.model_path, "generation_config.json")):
@@ -132,22 +128,16 @@ class FSDP2Trainer(SingleDeviceTrainer):
         """One rank: nothing to shard. The plain module, as the single-device trainer holds it (float32 weights and
         gradients, bf16-mixed by autocast), without FSDP's per-block copies and hooks; every collective method keeps
         working on it."""
-        from transformers import AutoTokenizer
-
         self.model = load_model(self.model_path, self.cfg, self.device)
         if self.device.type == "cpu":
-            from inflight.trainer.fused import fuse_modules
-
             fuse_modules(self.model)  # as SingleDeviceTrainer.init
         if self.cfg.lora is None:
             self.skeleton = self._skeleton()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
 
-    def _meta_model(self) -> torch.nn.Module:
+    def _meta_model(self) -> PreTrainedModel:
         """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         config = AutoConfig.from_pretrained(self.model_path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -170,24 +160,25 @@ class FSDP2Trainer(SingleDeviceTrainer):
     def save(self, out_dir: str) -> None:
         """Collective; rank 0 writes the HF folder (weights gathered one tensor at a time); with trainer.lora the
         adapter in PEFT's format instead."""
-        from inflight.trainer.lora import is_lora, save_adapter
-
+        model = self._require_init()
         state = {}
         for name, tensor in self.named_weights():
             if self.rank == 0:
                 state[name] = tensor.cpu()
-        if self.rank == 0 and is_lora(self.model):
-            save_adapter(self.model, out_dir, state)
+        if self.rank == 0 and is_lora(model):
+            save_adapter(model, out_dir, state)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         elif self.rank == 0:
-            state.update(_persistent_buffers(self.model))
-            expected = set(self.skeleton.state_dict()) - set(tied_aliases(self.skeleton))  # named_weights omits them
+            skeleton = self.skeleton
+            assert skeleton is not None  # rank 0 of a full fine-tuning run builds it in init()
+            state.update(_persistent_buffers(model))
+            expected = set(skeleton.state_dict()) - set(tied_aliases(skeleton))  # named_weights omits them
             missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
             if missing or unexpected:
                 raise RuntimeError(f"save: weights do not fit the model (missing {missing[:5]}, "
                                    f"unexpected {unexpected[:5]})")
-            self.skeleton.save_pretrained(out_dir, state_dict=state)
+            skeleton.save_pretrained(out_dir, state_dict=state)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(out_dir)
         dist.barrier(group=self.cpu_group)
@@ -195,19 +186,19 @@ class FSDP2Trainer(SingleDeviceTrainer):
     def load_adapter(self, path: str) -> None:
         """Collective: every rank reads the checkpoint's adapter (as each reads its train state) and keeps its
         shard of it."""
-        from inflight.trainer.lora import check_adapter_fits, read_adapter
-
-        state = read_adapter(path)
-        check_adapter_fits(self._require_init(), state, path)  # the same answer on every rank: none waits alone
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        model = self._require_init()
+        adapter = read_adapter(path)
+        check_adapter_fits(model, adapter, path)  # the same answer on every rank: none waits alone
+        state: dict[str, ValueType] = dict(adapter)
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     # ---- checkpoints: the sharded optimizer state, gathered into one full (unsharded) state dict --------------
     def train_state(self) -> dict:
         """Collective. The optimizer state unsharded and keyed by parameter name (what a single process would hold;
         it loads on any number of ranks), the scheduler state and the version. Rank 0 gets the tensors (on CPU),
         the other ranks an empty optimizer dict: only rank 0 writes."""
-        self._require_init()
-        osd = get_optimizer_state_dict(self.model, self.optimizer,
+        model = self._require_init()
+        osd = get_optimizer_state_dict(model, self.optimizer,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {"optimizer": osd, "scheduler": self.scheduler.state_dict(), "version": self.version,
                 "backend": "fsdp2"}
@@ -216,11 +207,11 @@ class FSDP2Trainer(SingleDeviceTrainer):
         """Collective; every rank passes the state read from the checkpoint, and only rank 0's optimizer state is
         read: it goes to the other ranks tensor by tensor and each keeps its shard (one full copy on the host, not
         one per rank: restore_trainer maps the file, so the other ranks never read those tensors)."""
-        self._require_init()
+        model = self._require_init()
         if state.get("backend") != "fsdp2":
             raise ValueError("this checkpoint's optimizer state was written by another trainer backend "
                              f"({state.get('backend', 'single')!r}); resume it with that backend")
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"] if self.rank == 0 else {},
+        set_optimizer_state_dict(model, self.optimizer, state["optimizer"] if self.rank == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])

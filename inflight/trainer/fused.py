@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from inflight.trainer.cpu_kernels import lib, usable
+from inflight.trainer.cpu_kernels import kernels, lib, usable
 
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
@@ -29,7 +29,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps: float):
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.empty_like(x2)
-        lib().rms_norm_forward(x2.data_ptr(), weight.data_ptr(), x2.shape[0], x2.shape[1], eps, y.data_ptr())
+        kernels().rms_norm_forward(x2.data_ptr(), weight.data_ptr(), x2.shape[0], x2.shape[1], eps, y.data_ptr())
         ctx.save_for_backward(x2, weight)
         ctx.eps, ctx.shape = eps, x.shape
         return y.view(x.shape)
@@ -39,7 +39,7 @@ class _RMSNorm(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         dy = dy.reshape(x2.shape).contiguous()
         dx, dw = torch.empty_like(x2), torch.zeros_like(weight)
-        lib().rms_norm_backward(x2.data_ptr(), weight.data_ptr(), dy.data_ptr(), x2.shape[0], x2.shape[1], ctx.eps,
+        kernels().rms_norm_backward(x2.data_ptr(), weight.data_ptr(), dy.data_ptr(), x2.shape[0], x2.shape[1], ctx.eps,
                                 dx.data_ptr(), dw.data_ptr())
         return dx.view(ctx.shape), dw, None
 
@@ -49,7 +49,7 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
-        lib().swiglu_forward(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+        kernels().swiglu_forward(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
         ctx.save_for_backward(gate, up)
         return out
 
@@ -58,7 +58,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dout = dout.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        lib().swiglu_backward(gate.data_ptr(), up.data_ptr(), dout.data_ptr(), gate.numel(), dgate.data_ptr(),
+        kernels().swiglu_backward(gate.data_ptr(), up.data_ptr(), dout.data_ptr(), gate.numel(), dgate.data_ptr(),
                               dup.data_ptr())
         return dgate, dup
 

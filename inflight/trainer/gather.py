@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
+
+
+class _Sharded(Protocol):
+    """What gathered() uses of a DTensor (torch.distributed.tensor costs seconds to import; FSDP2 has it loaded)."""
+
+    def full_tensor(self) -> torch.Tensor: ...
 
 
 def gathered(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -11,4 +19,4 @@ def gathered(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if not hasattr(t, "full_tensor"):
         return t.detach()
     t = t.detach()
-    return (t.to(dtype) if dtype is not None and t.dtype != dtype else t).full_tensor()
+    return cast(_Sharded, t.to(dtype) if dtype is not None and t.dtype != dtype else t).full_tensor()

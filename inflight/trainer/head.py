@@ -50,9 +50,15 @@ def head_request(request: HeadRequest) -> Iterator[None]:
         _REQUEST.reset(token)
 
 
+def _output_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """A transformers model's head (None for a module without one)."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def supported(model: torch.nn.Module) -> str | None:
     """None when the chunked head applies to this model, else why not."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embeddings(model)
     if type(head) is not torch.nn.Linear:
         return f"the output embedding is {type(head).__name__}, not a plain nn.Linear"
     if head.bias is not None:
@@ -66,17 +72,16 @@ def supported(model: torch.nn.Module) -> str | None:
 
 def install(model: torch.nn.Module) -> bool:
     """Swap in the chunked head's forward where `supported`; True when swapped."""
-    if supported(model) is not None:
+    head = _output_embeddings(model)
+    if supported(model) is not None or head is None:
         return False
-    head = model.get_output_embeddings()
     head.forward = types.MethodType(_head_forward, head)
-    head.inflight_chunked = True
+    head.inflight_chunked = True  # type: ignore[assignment]  # torch's stubs take Module.__setattr__ as tensors only
     return True
 
 
 def installed(model: torch.nn.Module) -> bool:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return bool(getattr(head, "inflight_chunked", False))
+    return bool(getattr(_output_embeddings(model), "inflight_chunked", False))
 
 
 def _head_forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from inflight.contracts import TrainBatch
 from inflight.trainer import head
@@ -68,7 +69,7 @@ def _plan(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
     if "flash" in impl:
         mask = None  # varlen: sequence boundaries from position_ids
     elif impl == "eager":
-        mask = block_causal_mask(batch.sample_index.to(device), dtype=model.dtype)
+        mask = block_causal_mask(batch.sample_index.to(device), dtype=next(model.parameters()).dtype)
     else:
         mask = block_causal_mask(batch.sample_index.to(device))
     return {"input_ids": ids, "position_ids": pos, "attention_mask": mask}, False, None
@@ -135,8 +136,6 @@ def token_logprobs(
         b = min(a + rows, logits.shape[0] - 1)
         args = (logits[a:b], ids[a + 1:b + 1], batch.temperature, need_entropy)
         if grad and rows < logits.shape[0] - 1:
-            from torch.utils.checkpoint import checkpoint
-
             lp, e = checkpoint(_rows_logprobs, *args, use_reentrant=False)
         else:
             lp, e = _rows_logprobs(*args)

@@ -17,13 +17,18 @@ that PEFT gives a per-layer rank or alpha is refused at init.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from inflight.config.trainer import LoraConfig
 from inflight.contracts import tied_aliases
 from inflight.trainer.gather import gathered
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"  # PEFT's adapter name; one adapter per model
 PEFT_PREFIX = "base_model.model."  # what PEFT's files put before a module name
@@ -43,20 +48,21 @@ def check_lora(cfg: LoraConfig) -> None:
 
 
 def peft_config(cfg: LoraConfig, model_path: str | None = None) -> Any:
-    import peft
+    import peft  # lazy: ~4 s to import; only a LoRA run needs it (checkpoint.py reads this module for has_adapter)
 
     check_lora(cfg)
     targets = list(cfg.target_modules)
     return peft.LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, use_rslora=cfg.rslora, bias="none",
+        r=cfg.rank, lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates int; scaling = alpha / r
+        lora_dropout=cfg.dropout, use_rslora=cfg.rslora, bias="none",
         target_modules="all-linear" if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
         base_model_name_or_path=model_path)
 
 
-def add_adapter(model: torch.nn.Module, cfg: LoraConfig, model_path: str | None = None) -> torch.nn.Module:
+def add_adapter(model: PreTrainedModel, cfg: LoraConfig, model_path: str | None = None) -> PreTrainedModel:
     """The same model object with PEFT's LoRA layers injected (B = 0: the output is the base model's) and only
     the adapter trainable. The resolved PEFT config is kept as `model.inflight_lora` (saved with the adapter)."""
-    from peft import get_peft_model
+    from peft import get_peft_model  # lazy: as in peft_config
 
     aliases = set(tied_aliases(model))
     wrapped = get_peft_model(model, peft_config(cfg, model_path))
@@ -75,9 +81,9 @@ def add_adapter(model: torch.nn.Module, cfg: LoraConfig, model_path: str | None 
     return inner
 
 
-def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, LoraLayer]]:
     """(module name in the plain model, PEFT LoRA layer) of every adapted linear layer, in module order."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # lazy: as in peft_config
 
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer) and ADAPTER in m.lora_A]
 
@@ -101,8 +107,15 @@ def adapter_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     `<base>` is the layer's weight name in the plain model. FSDP2: gathered one tensor at a time (collective), each
     shard cast to `dtype` first."""
     for name, m in lora_layers(model):
-        yield f"{name}.weight.lora_A", gathered(m.lora_A[ADAPTER].weight, dtype)
-        yield f"{name}.weight.lora_B", gathered(m.lora_B[ADAPTER].weight, dtype)
+        yield f"{name}.weight.lora_A", gathered(_weight(m.lora_A[ADAPTER]), dtype)
+        yield f"{name}.weight.lora_B", gathered(_weight(m.lora_B[ADAPTER]), dtype)
+
+
+def _weight(linear: torch.nn.Module) -> torch.Tensor:
+    weight = linear.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(linear).__name__}.weight is not a tensor")
+    return weight
 
 
 def to_peft_names(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -117,14 +130,15 @@ def to_peft_names(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torc
 def save_adapter(model: torch.nn.Module, out_dir: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
     """PEFT's format (PeftModel.from_pretrained(base, out_dir) loads it): adapter_config.json and
     adapter_model.safetensors. `tensors`: the contract-named tensors already gathered (FSDP2's rank 0)."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     named = tensors.items() if tensors is not None else adapter_tensors(model)
     state = {k: v.cpu().contiguous() for k, v in to_peft_names(iter(named)).items()}
     save_file(state, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    model.inflight_lora.save_pretrained(str(out))
+    config = getattr(model, "inflight_lora", None)  # PEFT's LoraConfig, set by add_adapter
+    if config is None:
+        raise ValueError("save_adapter: the model carries no LoRA adapter (add_adapter)")
+    config.save_pretrained(str(out))
 
 
 def has_adapter(path: str | Path) -> bool:
@@ -134,8 +148,6 @@ def has_adapter(path: str | Path) -> bool:
 def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
     """An adapter saved by save_adapter (or PEFT), keyed by the injected model's parameter names
     (`<module>.lora_A.default.weight`)."""
-    from safetensors.torch import load_file
-
     out = {}
     for key, t in load_file(str(Path(path) / ADAPTER_FILE)).items():
         if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):

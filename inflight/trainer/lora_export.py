@@ -32,8 +32,8 @@ def base_of(ckpt: str | Path, base: str | None = None) -> str:
 
 def export_merged(ckpt: str | Path, out: str | Path, base: str | None = None) -> Path:
     """Write the merged model (float32, the trainer's precision) and the tokenizer to `out`; returns it."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import PeftModel  # lazy: ~4 s to import; `inflight export-merged --help` answers without it
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as peft (the CLI imports this module)
 
     base = base_of(ckpt, base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -27,8 +27,10 @@ def parse_choice(value: bool | str) -> bool | str:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text in ("auto", "true", "false"):
-        return {"auto": "auto", "true": True, "false": False}[text]
+    if text == "auto":
+        return "auto"
+    if text in ("true", "false"):
+        return text == "true"
     raise ValueError(f"trainer.gradient_checkpointing must be auto, true or false, got {value!r}")
 
 
@@ -72,7 +74,7 @@ def available_bytes(device: torch.device) -> int:
 def decide(model: torch.nn.Module, cfg, device: torch.device, world_size: int = 1) -> bool:
     """Whether to enable gradient checkpointing for cfg.gradient_checkpointing (auto: by the estimate)."""
     choice = parse_choice(cfg.gradient_checkpointing)
-    if choice != "auto":
+    if isinstance(choice, bool):
         return choice
     params = list(model.parameters())
     n = sum(p.numel() for p in params)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ def fused_supported(device_types: set[str], all_float: bool, sharded: bool) -> b
     return device_types == {"cpu"} and not sharded
 
 
-def use_fused(params: list[torch.Tensor]) -> bool:
+def use_fused(params: Sequence[torch.Tensor]) -> bool:
     return fused_supported({p.device.type for p in params}, all(p.is_floating_point() for p in params),
                            any(type(p) is not torch.nn.Parameter for p in params))
 

@@ -86,7 +86,14 @@ def collate(
     none of its tokens trains (loss_mask 0), e.g. a truncated completion under algo.truncated=mask."""
     if trained is not None and len(trained) != len(samples):
         raise ValueError(f"{len(samples)} samples but {len(trained)} trained flags")
-    ids, pos, mask, adv, mu, ver, sidx, lens = [], [], [], [], [], [], [], []
+    ids: list[int] = []
+    pos: list[int] = []
+    mask: list[float] = []
+    adv: list[float] = []
+    mu: list[float] = []
+    ver: list[int] = []
+    sidx: list[int] = []
+    lens: list[int] = []
     for k, (s, a) in enumerate(zip(samples, advantages, strict=True)):
         _check(s, with_versions)
         p, c = len(s.prompt_ids), len(s.completion_ids)

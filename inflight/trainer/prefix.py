@@ -76,7 +76,10 @@ class SharedLayout:
         rows, owner, out = self.rows, self.owner, []
         for members in length_buckets([len(r) for r in rows]):
             width = max(len(rows[k]) for k in members)
-            src, dst, out_src, out_dst = [], [], [], []
+            src: list[int] = []
+            dst: list[int] = []
+            out_src: list[int] = []
+            out_dst: list[int] = []
             for row, k in enumerate(members):
                 src += rows[k]
                 dst += range(row * width, row * width + len(rows[k]))
@@ -92,7 +95,10 @@ class SharedLayout:
         """The rows laid end to end, for one variable-length call (varlen.py): (src, cu, max_len, out_src,
         out_pos): the compact token each entry reads, the rows' int32 bounds, the longest row, and which entries
         write back (the owned ones) to which compact tokens. Built on first use, once per micro-batch."""
-        src, cu, out_src, out_pos = [], [0], [], []
+        src: list[int] = []
+        cu = [0]
+        out_src: list[int] = []
+        out_pos: list[int] = []
         for r, own in zip(self.rows, self.owner):
             out_src += r[own:]
             out_pos += range(cu[-1] + own, cu[-1] + len(r))
@@ -159,7 +165,8 @@ def shared_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
             if dst is not None:  # right padding
                 buf = x.new_zeros(rows * width, x.shape[1], x.shape[2]).index_copy(0, dst, buf)
             padded.append(buf.view(rows, width, x.shape[1], x.shape[2]).transpose(1, 2))
-        o = F.scaled_dot_product_attention(*padded, dropout_p=dropout, is_causal=True, scale=scaling,
+        pq, pk, pv = padded
+        o = F.scaled_dot_product_attention(pq, pk, pv, dropout_p=dropout, is_causal=True, scale=scaling,
                                            enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(rows * width, heads, -1)
         out = out.index_copy(0, out_src, o.index_select(0, out_dst))  # each compact token written once

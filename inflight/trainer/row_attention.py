@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.trainer.cpu_kernels import lib as _lib
+from inflight.trainer.cpu_kernels import kernels
 from inflight.trainer.cpu_kernels import usable
 
 
@@ -73,7 +73,7 @@ class _RowAttention(torch.autograd.Function):
         out = torch.zeros(T, H, D)  # every token is some row's query; zeros keep a malformed Rows harmless
         lse = torch.zeros(T, H)
         scratch = torch.empty(max(rows.max_len, 1))
-        _lib().row_attention_forward(*_args(q, k, v, rows, scale), out.data_ptr(), lse.data_ptr(),
+        kernels().row_attention_forward(*_args(q, k, v, rows, scale), out.data_ptr(), lse.data_ptr(),
                                      scratch.data_ptr())
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.rows, ctx.scale = rows, scale
@@ -86,7 +86,7 @@ class _RowAttention(torch.autograd.Function):
         dout = dout[0].contiguous()
         dq = torch.zeros(q[0].shape)
         dk, dv = torch.zeros(k[0].shape), torch.zeros(v[0].shape)
-        _lib().row_attention_backward(*_args(q, k, v, ctx.rows, ctx.scale), out.data_ptr(), dout.data_ptr(),
+        kernels().row_attention_backward(*_args(q, k, v, ctx.rows, ctx.scale), out.data_ptr(), dout.data_ptr(),
                                       lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
         # gradients in the inputs' [1, heads, T, D] shape (as views of the [T, heads, D] buffers)
         return dq.transpose(0, 1)[None], dk.transpose(0, 1)[None], dv.transpose(0, 1)[None], None, None

@@ -23,11 +23,13 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from inflight.config import RunConfig, load_config, save_config
 from inflight.contracts import Sample, TaskSample, TrainBatch
 from inflight.tasks import get_task
 from inflight.config.tasks import TaskConfig
 from inflight.modelkit.greedy import greedy_accuracy
 from inflight.config.trainer import TrainerConfig
+from inflight.trainer.factory import make_trainer
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 
 
@@ -64,14 +66,13 @@ def warm_start(
     log: Callable[[str], None] = tqdm.write,
 ) -> dict[str, Any]:
     """Train until held-out greedy accuracy >= target_acc (or max_steps), save to out_dir, return the metrics."""
-    from inflight.trainer.factory import make_trainer
-
     if not 0.0 <= wrong_frac < 1.0:
         raise ValueError(f"wrong_frac must be in [0, 1), got {wrong_frac}")
     task = get_task(task_cfg)
     if not hasattr(task, "solution"):
         raise ValueError(f"task '{task_cfg.name}' has no generated solutions to train on")
-    if wrong_frac > 0 and not hasattr(task, "wrong_solution"):
+    wrong_solution: Callable[[TaskSample, random.Random], str] | None = getattr(task, "wrong_solution", None)
+    if wrong_frac > 0 and wrong_solution is None:
         raise ValueError(f"task '{task_cfg.name}' cannot make wrong solutions; use --wrong-frac 0")
     if max_new_tokens is None:
         max_new_tokens = 512 if getattr(task_cfg, "scratchpad", False) else 16
@@ -93,7 +94,8 @@ def warm_start(
         batch = []
         for s in islice(stream, batch_size):
             wrong = rng.random() < wrong_frac
-            batch.append(sft_sample(tok, s, task.wrong_solution(s, rng) if wrong else task.solution(s)))
+            batch.append(sft_sample(tok, s, wrong_solution(s, rng) if wrong and wrong_solution is not None
+                                    else task.solution(s)))
         n_tok = count_loss_tokens(batch)
         loss = 0.0
         for mb in pack_samples(batch, [1.0] * len(batch), trainer_cfg.micro_batch_tokens, len(batch), n_tok,
@@ -139,8 +141,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.config import RunConfig, load_config, save_config
-
     cfg = load_config(RunConfig, args.config, args.overrides)
     if args.task:
         cfg.task.name = args.task

@@ -11,16 +11,20 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import LossFn, TrainBatch
 from inflight.trainer.attention import NAME as PACKED
+from inflight.trainer.fused import fuse_modules
 from inflight.trainer.gather import gathered
 from inflight.trainer.head import install as install_head
 from inflight.trainer.logprobs import packed_token_logprobs
+from inflight.trainer.lora import (adapter_spec, adapter_tensors, add_adapter, check_adapter_fits, check_lora,
+                                   is_lora, read_adapter, save_adapter)
 from inflight.trainer.memory import decide as decide_checkpointing
 from inflight.trainer.memory import parse_choice
 from inflight.trainer.optim import build_optimizer
@@ -38,7 +42,7 @@ def attn_implementation(cfg: TrainerConfig) -> str:
         if varlen_available("cuda"):
             return VARLEN
         try:
-            import flash_attn  # noqa: F401
+            import flash_attn  # lazy: optional dependency, probed only on a GPU  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
@@ -58,30 +62,24 @@ def check_config(cfg: TrainerConfig) -> None:
     if cfg.micro_batch_tokens <= 0:
         raise ValueError(f"trainer.micro_batch_tokens must be positive, got {cfg.micro_batch_tokens}")
     if cfg.lora is not None:
-        from inflight.trainer.lora import check_lora
-
         check_lora(cfg.lora)
 
 
-def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+def load_model(model_path: str, cfg: TrainerConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
     """Any HF causal LM by path, float32 master weights (bf16-mixed autocasts the compute); with trainer.lora,
     a fresh adapter on it (lora.py)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation=attn_implementation(cfg)
-    ).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation(cfg))
+    model.to(device)  # type: ignore[arg-type]  # in place; transformers' wraps() on .to hides the bound self
     return for_training(model, cfg, model_path)
 
 
-def for_training(model: torch.nn.Module, cfg: TrainerConfig, model_path: str | None = None,
-                 device: torch.device | str | None = None, world_size: int = 1) -> torch.nn.Module:
+def for_training(model: PreTrainedModel, cfg: TrainerConfig, model_path: str | None = None,
+                 device: torch.device | str | None = None, world_size: int = 1) -> PreTrainedModel:
     """No KV cache; the chunked head; gradient checkpointing when configured (auto: when the step would not fit
     `device`, default: the model's, memory.py); the LoRA adapter when configured."""
     model.config.use_cache = False
     if cfg.lora is not None:
-        from inflight.trainer.lora import add_adapter
-
         model = add_adapter(model, cfg.lora, model_path)
     if cfg.chunked_head:
         install_head(model)  # logprobs from the hidden states a chunk at a time (head.py); else the full logits
@@ -112,7 +110,7 @@ def run_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainB
 
 def batch_to(batch: TrainBatch, device: torch.device | str) -> TrainBatch:
     """A copy of the batch with its tensors on `device` (the loss function sees device tensors)."""
-    fields = {}
+    fields: dict[str, Any] = {}
     for name, value in vars(batch).items():
         fields[name] = value.to(device) if isinstance(value, torch.Tensor) else value
     return TrainBatch(**fields)
@@ -131,23 +129,19 @@ class SingleDeviceTrainer:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.version = 0
-        self.model: torch.nn.Module | None = None
-        self.tokenizer = None
+        self.model: PreTrainedModel | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
 
     def init(self) -> None:
-        from transformers import AutoTokenizer
-
         if self.cfg.threads > 0:
             torch.set_num_threads(self.cfg.threads)
         self.model = load_model(self.model_path, self.cfg, self.device)
         if self.device.type == "cpu":
-            from inflight.trainer.fused import fuse_modules
-
             fuse_modules(self.model)  # RMSNorm and SwiGLU in one C pass each (fused.py)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
 
-    def _require_init(self) -> torch.nn.Module:
+    def _require_init(self) -> PreTrainedModel:
         if self.model is None:
             raise RuntimeError("call init() first")
         return self.model
@@ -188,8 +182,6 @@ class SingleDeviceTrainer:
     @property
     def adapter(self) -> dict[str, float] | None:
         """With trainer.lora: the update's `adapter` {rank, scaling} (named_weights yields the adapter only)."""
-        from inflight.trainer.lora import adapter_spec, is_lora
-
         model = self._require_init()
         return adapter_spec(model) if is_lora(model) else None
 
@@ -201,12 +193,11 @@ class SingleDeviceTrainer:
         so the full tensor exists only in that dtype (an unsharded one is yielded as it is: the sender converts).
         With trainer.lora: the adapter's `<base>.lora_A` / `<base>.lora_B` only (lora.adapter_tensors), to be
         pushed with `adapter`."""
-        from inflight.trainer.lora import adapter_tensors, is_lora
-
-        if is_lora(self._require_init()):
-            yield from adapter_tensors(self.model, dtype)
+        model = self._require_init()
+        if is_lora(model):
+            yield from adapter_tensors(model, dtype)
             return
-        for name, tensor in self._require_init().named_parameters():
+        for name, tensor in model.named_parameters():
             yield name, gathered(tensor, dtype)
 
     def train_state(self) -> dict:
@@ -223,8 +214,6 @@ class SingleDeviceTrainer:
 
     def save(self, out_dir: str) -> None:
         """The HF folder of the model; with trainer.lora the adapter in PEFT's format instead (lora.save_adapter)."""
-        from inflight.trainer.lora import is_lora, save_adapter
-
         model = self._require_init()
         if is_lora(model):
             save_adapter(model, out_dir)
@@ -235,8 +224,6 @@ class SingleDeviceTrainer:
 
     def load_adapter(self, path: str) -> None:
         """The adapter saved in checkpoint `path` into this trainer's adapter, exactly (a resume)."""
-        from inflight.trainer.lora import check_adapter_fits, read_adapter
-
         model = self._require_init()
         state = read_adapter(path)
         check_adapter_fits(model, state, path)

@@ -35,7 +35,7 @@ def available(device: torch.device | str = "cuda") -> bool:
     if torch.device(device).type != "cuda":
         return CPU_KERNEL is not None
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.9)
+        from torch.nn.attention.varlen import varlen_attn  # lazy: optional, torch >= 2.9 builds only  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.is_available()
@@ -48,7 +48,7 @@ def _kernel(q: torch.Tensor):
 
 
 def _cuda_varlen(q, k, v, cu, max_len, scale):
-    from torch.nn.attention.varlen import varlen_attn  # optional: torch >= 2.9
+    from torch.nn.attention.varlen import varlen_attn  # lazy: optional, torch >= 2.9 builds only
 
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
                        enable_gqa=q.shape[1] != k.shape[1])

@@ -75,9 +75,3 @@ def main(model_dir: str, run_dir: str, out: str, url: str, pid: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
-    # Everything is written and every group destroyed. The abandoned weight group of the killed server can still be
-    # freed only at interpreter finalization, where gloo's worker threads abort the process ("terminate called
-    # without an active exception", pytorch/pytorch#190489); seen once in ~10 runs. Leave without finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -14,12 +14,16 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import httpx
 import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from inflight.host import free_port
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupNCCL
 
 log = logging.getLogger("inflight.trainer.protocols")
 
@@ -71,6 +75,31 @@ def cuda_device(device: str | torch.device | None) -> torch.device | None:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def release_group(held: list[Any], backend: str, wait_s: float = 0.0) -> threading.Thread:
+    """Shut down the weight group taken out of `held` (the caller's only reference: none is left behind) and free it
+    on a helper thread, returned, joined for up to `wait_s`. NCCL: abort(), its ops could otherwise wait forever on a
+    dead peer; gloo: shutdown(), which returns at once even when a peer died. Freeing a gloo group waits for an op
+    still in flight (a broadcast to a live peer that is not receiving) until its peer leaves or the group timeout:
+    never on the caller's thread."""
+    box = [held.pop()]
+
+    def free() -> None:
+        try:
+            if backend == "nccl":
+                box[0].abort()
+            else:
+                box[0].shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort: the group is freed below anyway
+            # the text only: the exception (an AttributeError's .obj) must not keep the group alive in a log record
+            log.warning("shutting down the weight group failed: %s", f"{type(e).__name__}: {e}")
+        box.clear()  # the last reference: the destructor closes the connections
+
+    thread = threading.Thread(target=free, name="weight-group-release", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return thread
+
+
 class Broadcaster:
     """Rank 0 of a weight group: `send(tensor)` broadcasts one tensor to every other rank."""
 
@@ -93,8 +122,8 @@ class TorchGroup(Broadcaster):
 
     def __init__(self, store: Any, world_size: int, backend: str, group_name: str, timeout: datetime.timedelta,
                  outer_prefix: str | None = None):
-        from torch.distributed import PrefixStore, ProcessGroupGloo
-
+        self.pg: ProcessGroupGloo | ProcessGroupNCCL | None
+        self.backend = backend
         device = "cpu" if backend == "gloo" else "cuda"
         if outer_prefix is not None:
             store = PrefixStore(outer_prefix, store)
@@ -102,7 +131,7 @@ class TorchGroup(Broadcaster):
         if backend == "gloo":
             self.pg = ProcessGroupGloo(prefixed, 0, world_size, timeout)
         else:
-            from torch.distributed import ProcessGroupNCCL
+            from torch.distributed import ProcessGroupNCCL  # lazy: CUDA builds of torch only
 
             opts = ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -111,10 +140,14 @@ class TorchGroup(Broadcaster):
     def send(self, tensor: torch.Tensor) -> None:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        self.pg.broadcast([tensor], opts).wait()
+        if self.pg is None:
+            raise WeightSyncError("the weight group is closed")
+        self.pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]  # torch's stubs omit backends' collectives
 
     def close(self) -> None:
-        self.pg = None
+        held, self.pg = [self.pg], None
+        if held[0] is not None:
+            release_group(held, self.backend, wait_s=5.0)
 
 
 class ProtocolClient:
@@ -218,8 +251,6 @@ class ProtocolClient:
                    host_store: bool = True) -> None:
         """Host the store (unless `make_group` hosts its own), run `join` (the servers' init requests) and build our
         side concurrently."""
-        from torch.distributed import TCPStore
-
         self.master_port = self.master_port or free_port()
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if host_store:
@@ -233,8 +264,9 @@ class ProtocolClient:
         cf.wait([joined, group], return_when=cf.FIRST_EXCEPTION)
         if group.done() and group.exception() is not None:
             cf.wait([joined], timeout=5.0)  # a server's refusal explains it best
-        if joined.done() and joined.exception() is not None:
-            raise joined.exception()  # a server refused: fail now, not after the group timeout
+        refused = joined.exception() if joined.done() else None
+        if refused is not None:
+            raise refused  # a server refused: fail now, not after the group timeout
         if group.exception() is not None:
             raise WeightSyncError(f"could not form the weight group: {group.exception()}") from group.exception()
         self.group = group.result()
@@ -256,13 +288,16 @@ class ProtocolClient:
             raise WeightSyncError(f"{what}: " + " | ".join(errors))
         return answers
 
+    def drop_group(self) -> None:
+        """Let go of the weight group (before forming it again, or at close): shut down and freed off this thread."""
+        group, self.group, self.store = self.group, None, None
+        if group is not None:
+            group.close()
+
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
+        self.drop_group()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        self.group = None
-        self.store = None
 
 
 def run_into(future: cf.Future, fn: Callable[[], Any]) -> None:

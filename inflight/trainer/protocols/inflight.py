@@ -44,6 +44,8 @@ import uuid
 from typing import Any, Iterable
 
 import torch
+from safetensors.torch import save_file
+from torch.distributed import ProcessGroupGloo, TCPStore
 
 from inflight.config import RunConfig
 from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
@@ -53,7 +55,7 @@ from inflight.cuda_ipc import IpcWriter  # transport cuda_ipc (same device): inf
 from inflight.trainer.ipc_push import push_ipc
 from inflight.trainer.prepared import PreparedUpdate, prepare_update
 from inflight.trainer.protocols.common import (DTYPE_NAMES, ProtocolClient, ServerAnswered, WeightSyncError,
-                                               on_device, run_into, unique_tensors)
+                                               on_device, release_group, run_into, unique_tensors)
 
 log = logging.getLogger("inflight.trainer.protocols.inflight")
 
@@ -95,13 +97,12 @@ class WeightSyncClient(ProtocolClient):
         self._buckets: list[torch.Tensor] = []  # its packing buffers, reused while the announcement stays the same
         self._generation = 0  # +1 whenever the group is replaced or aborted: a stale abort leaves a new group alone
         self._group_thread: threading.Thread | None = None
+        self._releases: list[threading.Thread] = []  # groups being shut down and freed (release_group)
         self._accepted: tuple | None = None  # (group generation, mode, tensor specs) of the last update all took
 
     # ---- process group ----------------------------------------------------------------------------------------
     def init_process_group(self, group_name: str = "inflight_weights") -> None:
         """Host the store, ask every server to join (concurrently), and join as rank 0."""
-        from torch.distributed import ProcessGroupGloo, TCPStore
-
         if self.transport != "process_group":
             return  # the file and shm transports need no group
         self._generation += 1
@@ -118,7 +119,7 @@ class WeightSyncClient(ProtocolClient):
         def build() -> Any:
             if self.backend == "gloo":
                 return ProcessGroupGloo(self.store, 0, self.world_size, timeout)
-            from torch.distributed import ProcessGroupNCCL
+            from torch.distributed import ProcessGroupNCCL  # lazy: CUDA builds of torch only
 
             opts = ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -309,19 +310,19 @@ class WeightSyncClient(ProtocolClient):
         server blocked in a broadcast fails at once. The next push needs init_process_group() again."""
         if generation is not None and generation != self._generation:
             return  # the group was re-formed meanwhile
+        had_group = self.group is not None
+        self.drop_group()
+        if had_group:
+            log.warning("weight group aborted (%d servers): the next push forms it again", len(self.urls))
+
+    def drop_group(self) -> None:
+        """Let go of the weight group (an abort, a rejoin, close): a sender still using it stops, and it is shut down
+        and freed off this thread (release_group); close() waits until it is gone."""
         self._generation += 1
-        box = [self.group]
-        self.group, self.store = None, None
-        if box[0] is None:
-            return
-        if self.backend == "nccl":  # NCCL ops can hang without an explicit abort; gloo closes on destruction
-            try:
-                box[0].abort()
-            except Exception as e:  # noqa: BLE001 - best effort, the group is dropped anyway
-                log.warning("abort of the weight group failed: %s", e)
-        # The destructor waits for an op still in flight (e.g. a send to a stopped peer): run it off this thread.
-        threading.Thread(target=box.clear, name="weight-group-abort", daemon=True).start()
-        log.warning("weight group aborted (%d servers): the next push forms it again", len(self.urls))
+        held, self.group, self.store = [self.group], None, None
+        self._releases = [t for t in self._releases if t.is_alive()]
+        if held[0] is not None:
+            self._releases.append(release_group(held, self.backend))
 
     def _push_shm(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
                   extra: dict) -> list[dict]:
@@ -375,8 +376,6 @@ class WeightSyncClient(ProtocolClient):
 
     def _push_file(self, tensors: list[tuple[str, torch.Tensor]], version: int, mode: str,
                    extra: dict) -> list[dict]:
-        from safetensors.torch import save_file
-
         final = os.path.join(self.shm_dir, f"inflight-weights-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
         tmp = final + ".tmp"
         try:
@@ -395,9 +394,9 @@ class WeightSyncClient(ProtocolClient):
             self._group_thread.join(timeout=self.timeout_s + 5)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        self._generation += 1
-        self.group = None
-        self.store = None
+        self.drop_group()
+        for thread in self._releases:  # an op still in flight ends by the group timeout at the latest
+            thread.join(timeout=self.timeout_s + 5)
         if self._shm is not None:
             self._shm.discard()
         if self._ipc is not None:

@@ -15,6 +15,7 @@ SGLang answers {"success": bool, "message": str}; `success: false` is an error h
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from typing import Any, Iterable
@@ -22,6 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from inflight.config import RunConfig
+from inflight.trainer.protocols import require_process_group
 from inflight.trainer.protocols.common import DTYPE_NAMES, ProtocolClient, TorchGroup, WeightSyncError
 
 log = logging.getLogger("inflight.trainer.protocols.sglang")
@@ -89,9 +91,7 @@ class SGLangWeightSync(ProtocolClient):
         super().close()
 
 
-def _td(seconds: float):
-    import datetime
-
+def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
@@ -102,8 +102,6 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> Any:
-    from inflight.trainer.protocols import require_process_group
-
     check_config(cfg)
     require_process_group(cfg)
     return SGLangWeightSync(server_urls, **common)

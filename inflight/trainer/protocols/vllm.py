@@ -23,13 +23,16 @@ test-only gloo backend plugin (tests/vllm/gloo_transfer/) and a gloo `make_sende
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Callable, Iterable
 
 import torch
 
 from inflight.config import RunConfig
+from inflight.trainer.protocols import require_process_group
 from inflight.trainer.protocols.common import DTYPE_NAMES, Broadcaster, ProtocolClient, WeightSyncError
+from inflight.trainer.protocols.vllm_lora import VLLMLoraSync, checkpoint_shapes
 
 log = logging.getLogger("inflight.trainer.protocols.vllm")
 ADAPTER_PER_VERSION = True  # with trainer.lora, version v > 0 is served under its own adapter name (vllm_lora.py)
@@ -42,7 +45,7 @@ class VLLMNcclSender(Broadcaster):
 
     def __init__(self, master_address: str, master_port: int, world_size: int):
         try:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init  # lazy: optional dependency
         except ImportError as e:
             raise WeightSyncError(f"trainer.protocol=vllm needs vllm importable in the trainer's environment for "
                                   f"its NCCL communicator ({e})") from e
@@ -129,8 +132,6 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> Any:
-    from inflight.trainer.protocols import require_process_group
-
     t = cfg.trainer
     if getattr(t, "lora", None) is not None:
         check_config(cfg)
@@ -145,11 +146,8 @@ def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) 
 def vllm_lora_client(cfg: RunConfig, server_urls: list[str]) -> Any:
     """The adapter client for stock vLLM servers: folders under trainer.lora.served_dir (default
     <run dir>/served_adapters), the last actor.max_lag + 2 versions loaded (a running group may use any of them)."""
-    import os
-
-    from inflight.trainer.protocols.vllm_lora import VLLMLoraSync, checkpoint_shapes
-
     lora = cfg.trainer.lora
+    assert lora is not None, "an adapter client serves a LoRA run (trainer.lora)"
     folder = lora.served_dir or os.path.join(cfg.pipeline.run_dir, cfg.name, "served_adapters")
     shapes = checkpoint_shapes(cfg.model.path) if os.path.isdir(cfg.model.path) else None
     return VLLMLoraSync(server_urls, folder, name=lora.served_name, keep=cfg.actor.max_lag + 2,

@@ -38,6 +38,8 @@ from typing import Iterable
 
 import httpx
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from inflight.contracts import ParamInfo, adapter_pairs, served_adapter_name
 from inflight.finite import nonfinite
@@ -57,8 +59,6 @@ class AdapterRejected(WeightSyncError):
 
 def checkpoint_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} of a model folder's safetensors files, from their headers (no tensor is read)."""
-    from safetensors import safe_open
-
     out: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -178,8 +178,6 @@ class VLLMLoraSync:
 
     def save(self, tensors: dict[str, torch.Tensor], rank: int, scaling: float, out: Path) -> None:
         """PEFT's format, as vLLM reads it: scaling = lora_alpha / r, so lora_alpha = scaling * r."""
-        from safetensors.torch import save_file
-
         state = {k: t.detach().cpu().contiguous() for k, t in to_peft_names(iter(tensors.items())).items()}
         # full module names: PEFT adapts exactly these (a short name would match every layer)
         modules = {n.rsplit(".", 1)[0].removesuffix(".weight") for n in tensors}
