@@ -19,6 +19,10 @@ class ServerConfig:
     api_key: str = ""
     threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
     python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)
+    # chat messages rendered with this template instead of the model's: a Jinja file or a shipped one by name
+    # (chatml_tools: ChatML with a Hermes tools section, for SmolLM2 and other ChatML models without one)
+    chat_template: str = ""
+    tool_call_parser: str = "auto"  # auto | none | hermes: reads tool calls out of chat replies (auto: the template's)
     extra_args: list[str] = field(default_factory=list)  # appended to each server's command line (last wins)
 
     def __post_init__(self) -> None:
@@ -26,3 +30,5 @@ class ServerConfig:
         self.cuda_graphs = {"true": "on", "false": "off"}.get(str(self.cuda_graphs).lower(), self.cuda_graphs)
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"server.cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
+        if self.tool_call_parser not in ("auto", "none", "hermes"):
+            raise ValueError(f"server.tool_call_parser must be auto, none or hermes, not {self.tool_call_parser!r}")
