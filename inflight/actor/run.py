@@ -58,15 +58,18 @@ async def _close(obj: Any) -> None:
 
 
 def env_rollout(run_cfg: Any, task: Any) -> RolloutFn:
-    """The episode rollout of an environment task, rendering the environment's turns with the model's chat
-    template (the tokenizer of model.path)."""
+    """The episode rollout of an environment task, rendering the environment's turns with the servers' chat
+    template (the tokenizer of model.path, with server.chat_template when set)."""
     from transformers import AutoTokenizer
 
     from inflight.actor.episode import EpisodeConfig, episode_rollout
     from inflight.actor.turns import TurnRenderer
+    from inflight.engine.chat_template import use_chat_template  # lazy: with the tokenizer, for episode tasks only
 
     t = run_cfg.task
-    render = TurnRenderer(AutoTokenizer.from_pretrained(run_cfg.model.path))
+    tokenizer = AutoTokenizer.from_pretrained(run_cfg.model.path)
+    use_chat_template(tokenizer, getattr(getattr(run_cfg, "server", None), "chat_template", ""))
+    render = TurnRenderer(tokenizer)
     return episode_rollout(task.make_env, render, EpisodeConfig(
         max_turns=t.max_turns, max_tokens=t.max_episode_tokens, env_timeout_s=t.env_timeout_s))
 

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_app(args: argparse.Namespace):
     """The built-in engine and its FastAPI app, from `inflight serve` arguments."""
-    from inflight.engine.chat_template import ChatTemplateError, TemplateAbilities, use_chat_template
+    from inflight.engine.chat_template import (  # lazy: the built-in engine's start-up, not other engines'
+        ChatTemplateError, TemplateAbilities, use_chat_template)
     from inflight.engine.core import InferenceEngine
     from inflight.engine.server import create_app
 
