@@ -19,9 +19,8 @@ class ServerConfig:
     api_key: str = ""
     threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
     python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)
-    # chat messages rendered with this template instead of the model's: a Jinja file or a shipped one by name
-    # (chatml_tools: ChatML with a Hermes tools section, for SmolLM2 and other ChatML models without one)
-    chat_template: str = ""
+    # ChatML with a Hermes tools section (chatml_tools) is shipped for ChatML models without one, such as SmolLM2
+    chat_template: str = ""  # built-in engine: a Jinja file or shipped template replacing the model's (actor too)
     tool_call_parser: str = "auto"  # auto | none | hermes: reads tool calls out of chat replies (auto: the template's)
     extra_args: list[str] = field(default_factory=list)  # appended to each server's command line (last wins)
 

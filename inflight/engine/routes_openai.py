@@ -293,7 +293,8 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
                 if new.start == new.stop and not delta and ch.finish_reason is None:
                     continue
                 done_tokens[ch.index] = new.stop
-                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new, calls=calls)])
+                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new,
+                                       calls=calls)])
             if include_usage:
                 use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
                 yield sse([], use)

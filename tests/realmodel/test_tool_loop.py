@@ -115,3 +115,27 @@ def test_openai_client_tool_loop(client, tokenizer, smollm2_dir):
     assert prompt2.endswith('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
                             f"<|im_end|>\n<|im_start|>tool\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n"
                             "<|im_start|>assistant\n")
+
+
+def test_forced_and_single_calls(client, tokenizer):
+    """tool_choice naming the function: the reply starts inside its call (the opening ends the prompt) and ends with
+    the call; parallel_tool_calls=false: the reply ends at the first </tool_call>."""
+    model = client.models.list().data[0].id
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=START, tools=TOOLS, tool_choice=forced, temperature=0,
+                                       max_tokens=48)
+    ch = r.choices[0]
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert tokenizer.decode(ch.model_extra["prompt_token_ids"]).endswith("<|im_start|>assistant\n" + opening)
+    raw = opening + tokenizer.decode(ch.model_extra["token_ids"])
+    assert ch.finish_reason == "tool_calls" and [c.function.name for c in ch.message.tool_calls] == ["get_weather"]
+    assert raw.endswith("</tool_call>")  # the reply ended with the call (stopped there)
+    args = json.loads(ch.message.tool_calls[0].function.arguments)
+    assert _blocks(raw) == [{"name": "get_weather", "arguments": args}]
+
+    r = client.chat.completions.create(model=model, messages=START, tools=TOOLS, parallel_tool_calls=False,
+                                       temperature=0, max_tokens=48)
+    ch = r.choices[0]
+    raw = tokenizer.decode(ch.model_extra["token_ids"])
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    assert raw.endswith("</tool_call>") and "<|im_end|>" not in raw, raw
