@@ -31,3 +31,6 @@ class ServerConfig:
             raise ValueError(f"server.cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
         if self.tool_call_parser not in ("auto", "none", "hermes"):
             raise ValueError(f"server.tool_call_parser must be auto, none or hermes, not {self.tool_call_parser!r}")
+        if self.chat_template and self.engine != "builtin":  # other engines render prompts with their own options
+            raise ValueError(f"server.chat_template is the built-in engine's; with engine {self.engine!r}, give the "
+                             "engine's own chat-template option in server.extra_args")

@@ -82,22 +82,25 @@ def run(args: argparse.Namespace) -> int:
 def build_app(args: argparse.Namespace):
     """The built-in engine and its FastAPI app, from `inflight serve` arguments."""
     from inflight.engine.chat_template import (  # lazy: the built-in engine's start-up, not other engines'
-        ChatTemplateError, TemplateAbilities, use_chat_template)
+        ChatTemplateError, TemplateAbilities, read_chat_template)
     from inflight.engine.core import InferenceEngine
     from inflight.engine.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = getattr(args, "tool_call_parser", "auto")
+    spec = getattr(args, "chat_template", None)
+    try:  # before the model loads: a wrong path fails at once
+        template = read_chat_template(spec) if spec else None
+    except (ChatTemplateError, OSError) as e:
+        raise SystemExit(f"inflight serve --chat-template: {e}") from None
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision,
                              prefix_reuse=getattr(args, "prefix_reuse", True),
                              cuda_graphs=getattr(args, "cuda_graphs", "auto"))
-    parser = getattr(args, "tool_call_parser", "auto")
-    try:
-        use_chat_template(engine.tokenizer, getattr(args, "chat_template", None))
-        can = TemplateAbilities.of(engine.tokenizer, parser)
-    except (ChatTemplateError, OSError) as e:
-        raise SystemExit(f"inflight serve --chat-template: {e}") from None
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    can = TemplateAbilities.of(engine.tokenizer, parser)
     logging.getLogger("inflight.engine.server").info(
         "chat template: tools %s, tool calls in messages %s, tool-call parser %s",
         "rendered" if can.renders_tools else "not rendered", "rendered" if can.renders_tool_calls else "not rendered",

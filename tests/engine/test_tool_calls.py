@@ -211,3 +211,32 @@ def test_a_malformed_call_in_the_reply_is_plain_text(tools_template, tiny_tok):
     assert "".join(d["delta"].get("content") or "" for d in deltas) == ch["message"]["content"]
     assert [t for d in deltas for t in d.get("token_ids", [])] == ch["token_ids"]
     assert not any("tool_calls" in d["delta"] for d in deltas) and deltas[-1]["finish_reason"] == ch["finish_reason"]
+
+
+def test_config_keys_reach_inflight_serve():
+    from inflight.engine.builtin_backend import options
+    from inflight.engine.config import ServerConfig
+    from inflight.engine.serve import add_arguments
+
+    argv = options(ServerConfig(chat_template="chatml_tools", tool_call_parser="hermes"), cuda=False)
+    assert argv[-4:] == ["--chat-template", "chatml_tools", "--tool-call-parser", "hermes"]
+    assert "--chat-template" not in options(ServerConfig(), cuda=False)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", "m", *argv])
+    assert (args.chat_template, args.tool_call_parser) == ("chatml_tools", "hermes")
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="built-in engine's"):
+        ServerConfig(engine="vllm", chat_template="chatml_tools")
+
+
+def test_serve_refuses_a_missing_template(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "inflight.cli", "serve", "--model", str(tiny_model_dir), "--port", "1",
+                        "--chat-template", str(tmp_path / "nope.jinja")], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "no such file" in r.stderr and "chatml_tools" in r.stderr, r.stderr[-2000:]
