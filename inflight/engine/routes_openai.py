@@ -166,7 +166,10 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
         tool_defs = [t.function.for_template() for t in req.tools] if req.tools else None
-        key = orjson.dumps([msgs, tool_defs])
+        try:
+            key = orjson.dumps([msgs, tool_defs])
+        except TypeError as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise BadRequest(f"the messages could not be encoded: {e}", "messages") from e
         return list(render_chat(key, req.add_generation_prompt, tools.opening))
 
     def text_prompt(req: oa.CompletionRequest) -> list[int]:
