@@ -426,7 +426,11 @@ class Environment(Protocol):
     The episode's reward is the sum of the step rewards given (typically one outcome reward with done=True).
     An environment may also define `close()` (plain or async): called once when its episode ends, however it
     ended (done, truncated, failed), under the same timeout; and `async open()`: awaited before reset without a
-    timeout, to wait for a shared resource (a free session of an environment server), released in close()."""
+    timeout, to wait for a shared resource (a free session of an environment server), released in close(). An
+    environment with tools sets `tools` (OpenAI's [{"type": "function", "function": {name, description,
+    parameters}}]) by the end of `reset`: where the chat template renders tools they go to the server with the first
+    prompt, else they are described in a system message; the model's calls are in its reply text either way
+    (tasks/tool_calls.py)."""
 
     def reset(self, sample: TaskSample) -> list[dict[str, str]]:
         """The first messages (the prompt the model answers first)."""

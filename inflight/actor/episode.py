@@ -5,7 +5,8 @@
 
 An episode (`run_episode`) alternates the model and an `Environment` (inflight.contracts):
 
-    messages = env.reset(task_sample)                    first turn: POST /v1/chat/completions (server renders)
+    messages = env.reset(task_sample)                    first turn: POST /v1/chat/completions (server renders;
+                                                         with env.tools, see `first_request`)
     loop: result = env.step(reply text)                  tool output / next user turn, reward, done
           ids += TurnRenderer.delta(...)                 the env's turn, rendered once (loss mask 0)
           next turn: POST /v1/completions, prompt = every token id of the episode so far
@@ -41,6 +42,7 @@ from inflight.actor.server_pool import BadRequest
 from inflight.actor.turns import TemplateError, TurnRenderer
 from inflight.config.actor import ActorConfig
 from inflight.contracts import Environment, Sample, StepResult, TaskSample
+from inflight.tasks.tool_calls import tools_system_text
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,21 @@ def _step_result(res: Any) -> StepResult:
     raise EnvFailed(f"step returned {type(res).__name__}; expected a StepResult or (messages, reward, done)")
 
 
+def first_request(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  render: TurnRenderer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The first turn's messages and extra request fields. An environment's tools go to the server where the chat
+    template renders them (`tool_choice: none`: the reply comes back as the text the model wrote, calls included,
+    for the environment to read); else they are described in a system message of ours."""
+    if not tools:
+        return messages, {}
+    if render.renders_tools:
+        return messages, {"tools": tools, "tool_choice": "none"}
+    text = tools_system_text([t.get("function", t) for t in tools])
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], {}
+    return [{"role": "system", "content": text}, *messages], {}
+
+
 async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, render: TurnRenderer,
                       ecfg: EpisodeConfig) -> Sample:
     per_turn = client.cfg.max_new_tokens
@@ -127,7 +144,8 @@ async def run_episode(ts: TaskSample, env: Environment, client: RolloutClient, r
         if callable(opener) and inspect.isawaitable(opening := opener()):
             await opening
         messages = await _call(env.reset, ts, ecfg.env_timeout_s)
-        c = (await client.chat(list(messages), n=1))[0]
+        messages, extra = first_request(list(messages), getattr(env, "tools", None), render)
+        c = (await client.chat(messages, n=1, **extra))[0]
         prompt_ids = list(c.prompt_ids)
         while True:
             meta["turns"] += 1

@@ -26,6 +26,7 @@ from inflight.actor.server_pool import ServerPool
 from inflight.actor.turns import TurnRenderer
 from inflight.config import RunConfig
 from inflight.contracts import Stream, served_adapter_name
+from inflight.engine.chat_template import use_chat_template
 from inflight.heap import freeze_startup_objects
 from inflight.rewards import RewardService
 from inflight.tasks import get_task
@@ -62,12 +63,14 @@ async def _close(obj: Any) -> None:
 
 
 def env_rollout(run_cfg: RunConfig, task: Any) -> RolloutFn:
-    """The episode rollout of an environment task, rendering the environment's turns with the model's chat
-    template (the tokenizer of model.path)."""
+    """The episode rollout of an environment task, rendering the environment's turns with the servers' chat
+    template (the tokenizer of model.path, with server.chat_template when set)."""
     from transformers import AutoTokenizer  # lazy: ~1.5 s to import; only a multi-turn task renders turns
 
     t = run_cfg.task
-    render = TurnRenderer(AutoTokenizer.from_pretrained(run_cfg.model.path))
+    tokenizer = AutoTokenizer.from_pretrained(run_cfg.model.path)
+    use_chat_template(tokenizer, run_cfg.server.chat_template)
+    render = TurnRenderer(tokenizer)
     return episode_rollout(task.make_env, render, EpisodeConfig(
         max_turns=t.max_turns, max_tokens=t.max_episode_tokens, env_timeout_s=t.env_timeout_s))
 

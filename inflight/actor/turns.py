@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from inflight.engine.chat_template import TemplateAbilities
+
 _MARKER = "INFLIGHT-REPLY-7f3a"  # stands for the assistant's content; plain text every template keeps as is
 _STANDIN_USER = {"role": "user", "content": "hi"}
 
@@ -38,6 +40,8 @@ class TurnRenderer:
         self.closing_text = self._after_marker([], add_generation_prompt=False)
         self.closing = self._encode(self.closing_text)
         self.specials = {int(i) for i in getattr(tokenizer, "all_special_ids", [])}
+        # the template renders a request's `tools` (tools then go to the server, which renders them the same way)
+        self.renders_tools = TemplateAbilities.of(tokenizer).renders_tools
 
     def _after_marker(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         conv = [_STANDIN_USER, {"role": "assistant", "content": _MARKER}, *messages]

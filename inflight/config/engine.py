@@ -19,6 +19,9 @@ class ServerConfig:
     api_key: str = ""
     threads: int = 0  # torch threads per server (0 = torch's default; OMP_NUM_THREADS for vllm/sglang)
     python: str = ""  # interpreter that starts the servers: vLLM's / SGLang's environment (empty = the trainer's)
+    # ChatML with a Hermes tools section (chatml_tools) is shipped for ChatML models without one, such as SmolLM2
+    chat_template: str = ""  # built-in engine: a Jinja file or shipped template replacing the model's (actor too)
+    tool_call_parser: str = "auto"  # auto | none | hermes: reads tool calls out of chat replies (auto: the template's)
     extra_args: list[str] = field(default_factory=list)  # appended to each server's command line (last wins)
 
     def __post_init__(self) -> None:
@@ -26,3 +29,8 @@ class ServerConfig:
         self.cuda_graphs = {"true": "on", "false": "off"}.get(str(self.cuda_graphs).lower(), self.cuda_graphs)
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"server.cuda_graphs must be auto, on or off, not {self.cuda_graphs!r}")
+        if self.tool_call_parser not in ("auto", "none", "hermes"):
+            raise ValueError(f"server.tool_call_parser must be auto, none or hermes, not {self.tool_call_parser!r}")
+        if self.chat_template and self.engine != "builtin":  # other engines render prompts with their own options
+            raise ValueError(f"server.chat_template is the built-in engine's; with engine {self.engine!r}, give the "
+                             "engine's own chat-template option in server.extra_args")

@@ -14,6 +14,8 @@ def options(s: Any, cuda: bool) -> list[str]:
             *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
             *([] if s.prefix_reuse else ["--no-prefix-reuse"]),
             *(["--cuda-graphs", s.cuda_graphs] if s.cuda_graphs != "auto" else []),
+            *(["--chat-template", s.chat_template] if getattr(s, "chat_template", "") else []),
+            *(["--tool-call-parser", s.tool_call_parser] if getattr(s, "tool_call_parser", "auto") != "auto" else []),
             *(["--device", "cuda"] if cuda else [])]
 
 

@@ -1,8 +1,10 @@
 """Request schemas of the OpenAI-compatible API (+ inflight's extensions) and builders of the response bodies.
 
 Requests are pydantic models: unknown fields are ignored (OpenAI clients send many), but every field we read is
-validated, and fields we cannot honour (penalties, logit_bias, echo, tools) are rejected when set to a non-default
-value, so a client never silently gets something other than what it asked for.
+validated, and fields we cannot honour (penalties, logit_bias, echo in chat) are rejected when set to a non-default
+value, so a client never silently gets something other than what it asked for. Tools (`tools`, `tool_choice`,
+`parallel_tool_calls`, assistant `tool_calls`, `tool` messages) are checked here; what the chat template makes of
+them is the route's (routes_openai.py, chat_template.py, tool_parser.py).
 Prompt logprobs (`echo` + `logprobs`, vLLM's `prompt_logprobs`) come from the engine's PromptScores
 (prompt_scores.py); `prompt_fields` lays them out in the response.
 Responses are plain dicts (1,000 concurrent requests: no need for a second validation pass on the way out).
@@ -10,6 +12,7 @@ Responses are plain dicts (1,000 concurrent requests: no need for a second valid
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable, Literal
 
@@ -22,9 +25,52 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class CalledFunction(_Lenient):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            obj = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"function.arguments is not valid JSON ({e})") from e
+        if not isinstance(obj, dict):
+            raise ValueError("function.arguments must be a JSON object")
+        return v
+
+
+class MessageToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are for assistant messages, not {self.role!r}")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF convention: a call's arguments as a mapping)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -35,6 +81,34 @@ class ChatMessage(_Lenient):
                 raise ValueError(f"unsupported content part type {part.get('type')!r} (only 'text')")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return out
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Lenient):
@@ -105,13 +179,21 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = Field(default=True, description="extension")
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     echo: bool = False
 
     @model_validator(mode="after")
     def _chat_checks(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        if not names and self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools (the request has none)")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"one of the request's tools {names}")
         if self.echo:
             raise ValueError("echo is not supported by chat completions: send the prompt to /v1/completions with "
                              "echo=true, or ask for prompt_logprobs")
@@ -122,6 +204,21 @@ class ChatCompletionRequest(_Sampling):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    @property
+    def choice(self) -> str:
+        """tool_choice as one word: none, auto, required or named (the default: auto with tools, else none)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @property
     def num_top_logprobs(self) -> int:

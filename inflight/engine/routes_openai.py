@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import uuid
 from typing import Any, AsyncIterator
 
 import orjson
@@ -14,12 +15,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from inflight.engine import openai_api as oa
+from inflight.engine.chat_template import TemplateAbilities
 from inflight.engine.guards import Admission
 from inflight.engine.http_errors import Auth, BadRequest
 from inflight.engine.request import Choice, Generation
 from inflight.engine.sampling import SamplingParams
+from inflight.engine.tool_parser import CLOSE, HermesStream, Parsed, call_dict, parse_hermes
 
 log = logging.getLogger("inflight.engine.server")
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 class FastJSON(JSONResponse):
@@ -43,13 +50,39 @@ class Releasing(StreamingResponse):
             self._release()
 
 
+class ToolUse:
+    """How one chat request's reply is read for tool calls: `parse` (a parser reads it), the request's tool names,
+    and the text the server wrote at the start of the reply to force a call (tool_choice required / a function)."""
+
+    def __init__(self, req: oa.ChatCompletionRequest, abilities: TemplateAbilities):
+        self.names = req.tool_names
+        self.parse = bool(self.names) and req.choice != "none"
+        if self.parse and abilities.parser == "none":
+            raise BadRequest(f"tool_choice {req.choice!r} needs a tool-call parser, and this server has none for its "
+                             "chat template (serve with --tool-call-parser hermes, or send tool_choice 'none' to get "
+                             "the reply as text)", "tool_choice")
+        forced = req.choice in ("required", "named")
+        self.opening = abilities.call_opening(req.forced_function) if forced else ""
+        # one call only: the reply ends with it (the stop string is cut from the text; the parser accepts the
+        # block left open by a model that ended there)
+        self.stops = [CLOSE] if self.parse and (req.choice == "named" or not req.parallel_tool_calls) else []
+
+    def parsed(self, ch: Choice) -> Parsed:
+        return parse_hermes(self.opening + ch.text, self.names, finished=ch.finish_reason == "stop")
+
+
 def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int | None = None,
-                  version_wait_s: float = 300.0) -> APIRouter:
+                  version_wait_s: float = 300.0, tool_call_parser: str = "auto") -> APIRouter:
     """The OpenAI routes, every one behind `auth.key`. `admission` holds the queue limit (429); `max_n` caps a
-    request's `n` (default: the engine's batch); a `min_weight_version` not reached in `version_wait_s` is a 409."""
+    request's `n` (default: the engine's batch); a `min_weight_version` not reached in `version_wait_s` is a 409.
+    `tool_call_parser` reads tool calls out of chat replies (auto: the one the chat template writes; none)."""
     router = APIRouter(dependencies=[Depends(auth.key)])
     limit_n = max_n or int(getattr(engine, "max_batch", 128))
     tok_cache: dict[int, str] = {}
+
+    @functools.cache
+    def abilities() -> TemplateAbilities:  # on first use: the engine's tokenizer is final by then
+        return TemplateAbilities.of(engine.tokenizer, tool_call_parser)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def tok_str(tid: int) -> str:
@@ -93,29 +126,50 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
         )
 
     @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
-    def render_chat(msgs: tuple[tuple[str, str], ...], add_generation_prompt: bool) -> tuple[int, ...]:
+    def render_chat(key: bytes, add_generation_prompt: bool, opening: str) -> tuple[int, ...]:
+        """`key`: the JSON of [messages, tools] as the template takes them; `opening`: text the reply starts with."""
         if not getattr(engine.tokenizer, "chat_template", None):
             raise BadRequest(f"model {engine.model_name!r} has no chat template, so chat messages cannot be rendered: "
                              "use /v1/completions with a prompt, or serve a chat model (or add chat_template.jinja "
                              "to the model folder)", "messages")
+        msgs, tools = orjson.loads(key)
         try:
-            ids = engine.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in msgs], add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False)
+            ids = engine.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=True, return_dict=False)
         except Exception as e:  # a template may raise on e.g. a role order it does not allow
             raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         if ids and isinstance(ids[0], list):
             ids = ids[0]
+        if opening:
+            ids = [*ids, *engine.tokenizer.encode(opening, add_special_tokens=False)]
         return tuple(int(t) for t in ids)
 
-    def chat_prompt(req: oa.ChatCompletionRequest) -> list[int]:
+    def chat_tools(req: oa.ChatCompletionRequest) -> ToolUse:
+        """What the request does with tools, once the template is known to render what it holds."""
+        can = abilities()
+        if req.tools and not can.renders_tools:
+            raise BadRequest(f"the chat template of {engine.model_name!r} has no tools section (it renders the same "
+                             "prompt with and without tools), so the model would never see them: serve it with "
+                             "--chat-template chatml_tools (ChatML models) or a template of your own that renders "
+                             "`tools`", "tools")
+        if any(m.tool_calls for m in req.messages) and not can.renders_tool_calls:
+            raise BadRequest(f"the chat template of {engine.model_name!r} does not render an assistant message's "
+                             "tool_calls: serve it with a template that does (--chat-template)", "messages")
+        return ToolUse(req, can)
+
+    def chat_prompt(req: oa.ChatCompletionRequest, tools: ToolUse) -> list[int]:
         try:
-            msgs = tuple((m.role, m.text()) for m in req.messages)
+            msgs = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
-        return list(render_chat(msgs, req.add_generation_prompt))
+        tool_defs = [t.function.for_template() for t in req.tools] if req.tools else None
+        try:
+            key = orjson.dumps([msgs, tool_defs])
+        except TypeError as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise BadRequest(f"the messages could not be encoded: {e}", "messages") from e
+        return list(render_chat(key, req.add_generation_prompt, tools.opening))
 
     def text_prompt(req: oa.CompletionRequest) -> list[int]:
         p = req.single_prompt()
@@ -131,7 +185,10 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
         return list(p)
 
     def choice_body(kind: str, ch: Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
-                    delta: str | None = None, new: slice | None = None) -> dict[str, Any]:
+                    delta: str | None = None, new: slice | None = None, tools: ToolUse | None = None,
+                    calls: Parsed | None = None) -> dict[str, Any]:
+        """One choice of a response (`delta`: of a stream chunk). `tools`: the reply is read for tool calls (whole;
+        in a stream, `calls` holds the calls found when the choice ended)."""
         sl = new or slice(0, len(ch.token_ids))
         ids, lps = ch.token_ids[sl], ch.logprobs[sl]
         lp = None
@@ -141,20 +198,29 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             lp = (oa.chat_logprobs if kind == "chat" else oa.completion_logprobs)(toks, lps, tops)
         text = ch.text if delta is None else delta
         body: dict[str, Any] = {"index": ch.index}
-        if kind == "chat":
-            if delta is None:
-                body["message"] = {"role": "assistant", "content": text}
-            else:
-                body["delta"] = {"content": text} if text or ids else {}
+        finish = ch.finish_reason
+        if kind == "chat" and delta is None:
+            body["message"] = {"role": "assistant", "content": text}
+            if tools is not None and tools.parse:
+                got = tools.parsed(ch)
+                body["message"]["content"] = got.content
+                if got.calls:
+                    body["message"]["tool_calls"] = [call_dict(c, new_call_id()) for c in got.calls]
+                    finish = "tool_calls"
+        elif kind == "chat":
+            body["delta"] = {"content": text} if text or ids else {}
+            if calls is not None and calls.calls:
+                body["delta"]["tool_calls"] = [call_dict(c, new_call_id(), i) for i, c in enumerate(calls.calls)]
+                finish = "tool_calls"
         else:
             body["text"] = text
-        body.update(logprobs=lp, finish_reason=ch.finish_reason, token_ids=ids, token_versions=ch.versions[sl])
+        body.update(logprobs=lp, finish_reason=finish, token_ids=ids, token_versions=ch.versions[sl])
         if delta is None or new is None or new.start == 0:
             body["prompt_token_ids"] = prompt_ids
         return body
 
     async def run_full(kind: str, request: Request, gen: Generation, model: str, top_n: int, want_lp: bool,
-                       req: Any = None):
+                       req: Any = None, tools: ToolUse | None = None):
         """Non-streaming: generate every choice; cancel when the client goes away."""
 
         async def consume() -> None:
@@ -179,7 +245,7 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             log.info("client disconnected; request %s aborted", gen.rid)
             return JSONResponse({}, 499)
         work.result()
-        body = [choice_body(kind, ch, gen.prompt_ids, top_n, want_lp) for ch in gen.choices]
+        body = [choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, tools=tools) for ch in gen.choices]
         echo = getattr(req, "echo", False) and kind == "text"
         if echo or gen.prompt_scores is not None:
             text = req.single_prompt() if echo else None
@@ -189,10 +255,16 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
         use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
         return FastJSON(oa.envelope(kind, f"{kind}-{gen.rid}", model, body, use))  # type: ignore[arg-type]
 
-    async def run_stream(kind: str, gen: Generation, model: str, top_n: int, want_lp: bool, include_usage: bool):
+    async def run_stream(kind: str, gen: Generation, model: str, top_n: int, want_lp: bool, include_usage: bool,
+                         tools: ToolUse | None = None):
         """A request held for its weights waits here for its first event: a version that never comes is a 409, not
-        a stream that breaks off after its headers."""
+        a stream that breaks off after its headers. A reply read for tool calls streams its text up to a call; the
+        calls come in the choice's last chunk (tool_parser.HermesStream)."""
         rid = f"{kind}-{gen.rid}"
+        readers = [HermesStream(tools.names) for _ in gen.choices] if tools is not None and tools.parse else None
+        if readers is not None:
+            for r in readers:
+                r.feed(tools.opening)  # type: ignore[union-attr]
 
         def sse(choices: list[dict], use: dict | None = None) -> bytes:
             return b"data: " + orjson.dumps(oa.envelope(kind, rid, model, choices, use, chunk=True)) + b"\n\n"  # type: ignore[arg-type]
@@ -214,10 +286,17 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             async for ch in choices():
                 new = slice(done_tokens[ch.index], len(ch.token_ids))
                 delta = gen.stream_delta(ch)
+                calls = None
+                if readers is not None:
+                    delta = readers[ch.index].feed(delta)
+                    if ch.finish_reason is not None:
+                        calls = readers[ch.index].finish(ch.finish_reason == "stop")
+                        delta += calls.content or ""
                 if new.start == new.stop and not delta and ch.finish_reason is None:
                     continue
                 done_tokens[ch.index] = new.stop
-                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new)])
+                yield sse([choice_body(kind, ch, gen.prompt_ids, top_n, want_lp, delta=delta, new=new,
+                                       calls=calls)])
             if include_usage:
                 use = oa.usage(len(gen.prompt_ids), sum(len(c.token_ids) for c in gen.choices))
                 yield sse([], use)
@@ -227,7 +306,8 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
 
     async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
         check_model(req.model)
-        prompt_ids = chat_prompt(req) if isinstance(req, oa.ChatCompletionRequest) else text_prompt(req)
+        tools = chat_tools(req) if isinstance(req, oa.ChatCompletionRequest) else None
+        prompt_ids = chat_prompt(req, tools) if tools is not None else text_prompt(req)  # type: ignore[arg-type]
         params = sampling(req, prompt_ids)
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
@@ -235,14 +315,15 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             # a request for weights not here yet is held by the engine (a version that never comes must not hold a
             # connection and a queue place forever: 409 after version_wait_s)
             min_version = req.min_weight_version or 0
-            gen = Generation(engine, prompt_ids, params, req.stops, req.n, want_text=req.stream,
+            stops = req.stops + [s for s in (tools.stops if tools else []) if s not in req.stops]
+            gen = Generation(engine, prompt_ids, params, stops, req.n, want_text=req.stream,
                               min_version=min_version if min_version > engine.version else 0,
                               version_wait_s=version_wait_s)
             if req.stream:
                 inc = bool(req.stream_options and req.stream_options.include_usage)
-                stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc)
+                stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc, tools)
                 return Releasing(stream, release)
-            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp, req)
+            return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp, req, tools)
         finally:
             if not req.stream:
                 release()

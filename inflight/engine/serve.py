@@ -12,6 +12,8 @@ import tempfile
 import time
 
 from inflight import backends
+from inflight.engine.chat_template import ChatTemplateError, TemplateAbilities, read_chat_template
+from inflight.engine.tool_parser import PARSERS
 from inflight.host import free_port
 
 
@@ -51,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None,
                    help="folder of a saved PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): "
                         "served merged into the model; adapter updates replace it (docs/inference-contract.md)")
+    p.add_argument("--chat-template", default=None,
+                   help="render chat messages with this template instead of the model's: a Jinja file, or a shipped "
+                        "one by name (chatml_tools: ChatML with a Hermes tools section; docs/inference-contract.md)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="read tool calls out of chat replies when a request has tools (auto: hermes when the chat "
+                        "template writes <tool_call>, else none)")
     p.add_argument("--log-level", default="info")
 
 
@@ -84,15 +92,28 @@ def build_app(args: argparse.Namespace):
     from inflight.engine.server import create_app  # lazy: start-up cost (FastAPI, torch) of `serve --help`
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = getattr(args, "tool_call_parser", "auto")
+    spec = getattr(args, "chat_template", None)
+    try:  # before the model loads: a wrong path fails at once
+        template = read_chat_template(spec) if spec else None
+    except (ChatTemplateError, OSError) as e:
+        raise SystemExit(f"inflight serve --chat-template: {e}") from None
     engine = InferenceEngine(args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision,
                              prefix_reuse=getattr(args, "prefix_reuse", True),
                              cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+    if template is not None:
+        engine.tokenizer.chat_template = template
+    can = TemplateAbilities.of(engine.tokenizer, parser)
+    logging.getLogger("inflight.engine.server").info(
+        "chat template: tools %s, tool calls in messages %s, tool-call parser %s",
+        "rendered" if can.renders_tools else "not rendered", "rendered" if can.renders_tool_calls else "not rendered",
+        can.parser)
     app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
-                     version_wait_s=args.version_wait_s)
+                     version_wait_s=args.version_wait_s, tool_call_parser=parser)
     if getattr(args, "adapter", None):
         from inflight.modelkit.peft_adapter import read_peft_adapter  # lazy: only with --adapter
 

@@ -56,19 +56,21 @@ def base_app(engine: Any, *, manage_engine: bool = True, max_body_bytes: int = 8
 def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: bool = False,
                max_n: int | None = None, manage_engine: bool = True, device: str = "cpu",
                max_waiting: int | None = None, max_body_bytes: int = 8 * 2**20, reject_nonfinite: bool = True,
-               own_port: int | None = None, version_wait_s: float = 300.0) -> FastAPI:
+               own_port: int | None = None, version_wait_s: float = 300.0, tool_call_parser: str = "auto") -> FastAPI:
     """The server app. `manage_engine`: start the engine with the app and stop it at shutdown.
     Protections (docs/reliability.md): `max_waiting` sequences may queue beyond the running batch (None: no
     limit), more get 429; bodies over `max_body_bytes` get 413; `reject_nonfinite` refuses weight updates holding
     NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group master port; a request whose
-    `min_weight_version` the weights have not reached within `version_wait_s` gets 409."""
+    `min_weight_version` the weights have not reached within `version_wait_s` gets 409. `tool_call_parser` reads
+    tool calls out of chat replies (routes_openai.py)."""
     app = base_app(engine, manage_engine=manage_engine, max_body_bytes=max_body_bytes, version_wait_s=version_wait_s)
     receiver = WeightReceiver(engine, device=device, reject_nonfinite=reject_nonfinite)
     app.state.receiver = receiver
     admission = Admission(int(getattr(engine, "max_batch", 128)), max_waiting)
     app.state.admission = admission
     auth = Auth(api_key, allow_remote_admin)
-    app.include_router(openai_router(engine, admission, auth, max_n=max_n, version_wait_s=version_wait_s))
+    app.include_router(openai_router(engine, admission, auth, max_n=max_n, version_wait_s=version_wait_s,
+                                     tool_call_parser=tool_call_parser))
     app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates,
                                                                            admission.rejected)))
     app.include_router(weights_router(receiver, auth, limits=engine, own_port=own_port))

@@ -17,9 +17,10 @@ verifiers' own `MultiTurnEnv.rollout` does around each model call, with the envi
             -> get_prompt_messages (calls env_response: tool results, a user turn) -> the new messages only
     done:   cleanup (renders state["completion"]) -> rubric.score_rollout -> reward, metrics
 
-verifiers never sees or re-tokenises the model's tokens: it gets the reply text as an assistant message. Tools: the
-server has no tool parser, so a ToolEnv's tools are described in a system message and calls are read from the
-reply text in the Hermes format (tasks/tool_calls.py), becoming the message's `tool_calls`; ToolEnv then runs them
+verifiers never sees or re-tokenises the model's tokens: it gets the reply text as an assistant message. Tools: a
+ToolEnv's tools are the episode's `tools` (the chat template renders them, or the actor describes them in a system
+message: actor/episode.py) and calls are read from the reply text in the Hermes format (tasks/tool_calls.py),
+becoming the message's `tool_calls`; ToolEnv then runs them
 and formats results and errors itself. Each episode runs the environment's coroutines on an event loop of its own
 (a thread): a tool that blocks or hangs holds that episode only, never the actor; every call is bounded by
 `task.env_timeout_s` and a failure ends that episode as `error` (actor/episode.py).
@@ -47,7 +48,7 @@ from typing import Any, Iterator
 from inflight.config.tasks import TaskConfig
 from inflight.contracts import StepResult, TaskSample, Verdict, Verification
 from inflight.tasks.math_jsonl import shuffled_forever
-from inflight.tasks.tool_calls import parse_tool_calls, tools_system_text
+from inflight.tasks.tool_calls import parse_tool_calls
 
 
 class VerifiersError(ValueError):
@@ -207,6 +208,7 @@ class VerifiersEpisode:
         self.state: Any = None
         self.turn_prompt: list[Any] = []  # what verifiers sees as this turn's prompt (its message objects)
         self.tool_calls = 0
+        self.tools: list[dict[str, Any]] | None = None  # the environment's tools, OpenAI's shape (after reset)
         self.done = False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, daemon=True, name="inflight-vf-env")
@@ -252,12 +254,8 @@ class VerifiersEpisode:
         role = self.task.cfg.tool_role
         messages = [_plain(m, role) for m in self.turn_prompt]
         tools = [t.model_dump() if hasattr(t, "model_dump") else dict(t) for t in state.get("tool_defs") or []]
-        if tools:  # the server takes no `tools`: the model reads them in the system message (tasks/tool_calls.py)
-            text = tools_system_text(tools)
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
-            else:
-                messages.insert(0, {"role": "system", "content": text})
+        self.tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                        if t.get(k) is not None}} for t in tools] or None
         return messages
 
     async def _step(self, reply: str) -> StepResult:

@@ -70,6 +70,9 @@ def test_schemathesis_fuzz_of_the_openapi_schema(server):
                 positive = mode == schemathesis.GenerationMode.POSITIVE
                 if positive and isinstance(case.body, dict) and "model" in case.body:
                     case.body["model"] = model  # else nearly every valid body is a 400 for an unknown model
+                    if case.body.get("tools"):  # the tiny model's template renders no tools: always a 400 (its
+                        case.body.pop("tools")  # rules are tested in tests/engine/test_tool_calls.py)
+                        case.body.pop("tool_choice", None)
                 r = case.call(base_url=server.url, timeout=60)
                 counts[r.status_code] = counts.get(r.status_code, 0) + 1
                 if r.status_code >= 500:

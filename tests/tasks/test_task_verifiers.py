@@ -55,10 +55,13 @@ def test_tool_env_episode_tools_and_rubric(tool_task):
     expr = ts.messages[-1]["content"].split()[2].rstrip("?")  # "What is 69*33? ..."
     a, b = map(int, expr.split("*"))
     assert ts.answer == str(a * b) and ts.id == "vf-eval-0"
-    first, r1, r2 = run(tool_task.make_env(ts), [call(expr), f"So \\boxed{{{a * b}}}"], ts)
-    # the prompt: the env's system prompt + the tools (the server takes no `tools` field) + the question
-    assert first[0]["role"] == "system" and first[0]["content"].startswith("Use the calculator.\n\n")
-    assert '{"name":"calc",' in first[0]["content"] and first[1:] == ts.messages[1:]
+    ep = tool_task.make_env(ts)
+    first, r1, r2 = run(ep, [call(expr), f"So \\boxed{{{a * b}}}"], ts)
+    # the prompt: the env's own messages; its tools go with them (actor/episode.py: to the server, where the chat
+    # template renders tools, else into the system message)
+    assert first == ts.messages and first[0] == {"role": "system", "content": "Use the calculator."}
+    assert [t["type"] for t in ep.tools] == ["function"] and ep.tools[0]["function"]["name"] == "calc"
+    assert ep.tools[0]["function"]["parameters"]["properties"].keys() == {"expr"}
     # ToolEnv ran the tool on the call read from the reply text, and answered with a tool turn
     assert r1.messages == [{"role": "tool", "content": str(a * b)}] and not r1.done and r1.info["tool_calls"] == 1
     # the rubric: boxed_answer (weight 1) + used_tool (weight 0.5), computed here directly
