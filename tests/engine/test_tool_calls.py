@@ -215,7 +215,7 @@ def test_a_malformed_call_in_the_reply_is_plain_text(tools_template, tiny_tok):
 
 def test_config_keys_reach_inflight_serve():
     from inflight.engine.builtin_backend import options
-    from inflight.engine.config import ServerConfig
+    from inflight.config.engine import ServerConfig
     from inflight.engine.serve import add_arguments
 
     argv = options(ServerConfig(chat_template="chatml_tools", tool_call_parser="hermes"), cuda=False)
