@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=128, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=512, help="context length (prompt + completion)")
     p.add_argument("--max-tokens-per-step", type=int, default=4096, help="token budget of one engine step")
+    p.add_argument("--low-priority-prefill", type=int, default=256,
+                   help="prefill tokens per engine step for requests of priority > 0 (held-out evaluation), so "
+                        "they never make a long step that rollouts and weight updates wait for")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished sequences' KV in free slots; a prompt that continues one (a multi-turn "
@@ -82,7 +85,8 @@ def build_app(args: argparse.Namespace):
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision,
                              prefix_reuse=getattr(args, "prefix_reuse", True),
-                             cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+                             cuda_graphs=getattr(args, "cuda_graphs", "auto"),
+                             low_priority_prefill=getattr(args, "low_priority_prefill", 256))
     app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
