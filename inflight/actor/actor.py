@@ -131,6 +131,8 @@ class Actor:
         self._wake: asyncio.Event | None = None
         self._seen_version = -1
         self._failed_in_a_row = 0
+        # in-run evaluations so far: picks the rotating subset's window (a resumed run continues near where it was)
+        self._eval_round = max(0, min_version) // cfg.eval_every if cfg.eval_every > 0 else 0
 
     # ------------------------------------------------------------------------------------------------ one group
     def bound(self, trainer_version: int) -> int:
@@ -290,10 +292,14 @@ class Actor:
 
     # ------------------------------------------------------------------------------------------------ reporting
     async def _evaluate(self, base: bool = False) -> None:
+        subset, index = (0, 0) if base else (self.cfg.eval_subset, self._eval_round)
+        if not base:
+            self._eval_round += 1
         try:
             res = await evaluate(self.task, self.pool, self.cfg, rewards=self.rewards, model=self.client.model,
                                  episode=getattr(self.rollout, "episode", None), served=self.client.served,
-                                 version=0 if base else self.stream.trainer_version)
+                                 version=0 if base else self.stream.trainer_version, subset=subset,
+                                 round_index=index)
         except Exception as exc:
             log.error("evaluation failed: %s: %s", type(exc).__name__, exc)
             return

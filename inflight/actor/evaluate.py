@@ -1,8 +1,10 @@
 """Held-out evaluation through the same inference servers: one sample per problem (greedy by default), pass@1 and
 mean reward, tagged with the weight version(s) whose tokens were scored, with the replies' lengths and the first
-few replies as text (the report shows them). Only a finished reply counts as correct: one the length limit cut off
-is `truncated` here whatever its text, in every `algo.truncated` mode. A multi-turn task evaluates whole episodes
-(`episode`, actor/episode.py), scored by their environment, and reports the mean tool calls per episode."""
+few replies as text (the report shows them), and the accuracy's binomial standard error. An in-run evaluation may
+score a rotating subset of the split (`subset`, `round_index`: eval_subset.py). Only a finished reply counts as
+correct: one the length limit cut off is `truncated` here whatever its text, in every `algo.truncated` mode. A
+multi-turn task evaluates whole episodes (`episode`, actor/episode.py), scored by their environment, and reports the
+mean tool calls per episode."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from inflight import backends
 from inflight.actor.adapters import Completion
+from inflight.actor.eval_subset import binomial_stderr, rotating_subset
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.server_pool import ServerPool
 from inflight.algo.truncation import is_truncated
@@ -37,17 +40,22 @@ async def evaluate(
     episode: Callable[[TaskSample, RolloutClient], Awaitable[Sample]] | None = None,  # multi-turn tasks
     served: Callable[[int], str | None] | None = None,  # stock vLLM LoRA: version -> adapter name (rollout.py)
     version: int | Callable[[], int] | None = None,  # ... and the version to ask for (a callable: the newest)
+    subset: int = 0,  # score this many problems (0 = all), the round_index-th window of the rotation
+    round_index: int = 0,
 ) -> dict[str, Any]:
-    """Returns {"pass@1", "mean_reward", "num_problems", "num_failed", "labels", "version_min", "version_max",
-    "completion_len_mean", "completion_len_max", "truncated_frac", "replies", "seconds"}; version_min/max span the
-    weight versions of every scored token (equal when no update happened during the evaluation); `replies` holds
-    the first `cfg.eval_samples` problems' prompt, reply, finish reason, token count and label. Problems whose
-    request failed count as wrong (reward 0) and in num_failed."""
+    """Returns {"pass@1", "stderr", "mean_reward", "num_problems", "subset_start", "split_size", "num_failed",
+    "labels", "version_min", "version_max", "completion_len_mean", "completion_len_max", "prompt_tokens",
+    "completion_tokens", "truncated_frac", "replies", "seconds"}; version_min/max span the weight versions of every scored token (equal when no update happened during
+    the evaluation); `replies` holds the first `cfg.eval_samples` scored problems' prompt, reply, finish reason,
+    token count and label. Problems whose request failed count as wrong (reward 0) and in num_failed."""
     problems = task.eval_samples()
     if limit:
         problems = problems[:limit]
     if not problems:
         raise ValueError(f"task '{task.name}' has no held-out problems")
+    total = len(problems)
+    problems = rotating_subset(problems, subset, round_index)
+    start = (round_index * subset) % total if 0 < subset < total else 0
     client = RolloutClient(pool, cfg, model, served=served, version=version)
     max_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     # stock vLLM / SGLang reject a priority unless started with priority scheduling
@@ -92,8 +100,12 @@ async def evaluate(
     versions = [v for c, _ in ok for v in c.versions]
     lengths = [len(c.token_ids) for c, _ in ok]
     n = len(problems)
+    acc = labels.get("correct", 0) / n
     return {
-        "pass@1": labels.get("correct", 0) / n,
+        "pass@1": acc,
+        "stderr": binomial_stderr(acc, n),
+        "subset_start": start,  # the window's first problem; num_problems < the split's size = a subset
+        "split_size": total,
         "mean_reward": sum(float(v.reward) for v in verdicts) / n,
         "num_problems": n,
         "num_failed": n - len(ok),
@@ -102,6 +114,8 @@ async def evaluate(
         "version_max": max(versions) if versions else -1,
         "completion_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
         "completion_len_max": max(lengths, default=0),
+        "prompt_tokens": sum(len(c.prompt_ids) for c, _ in ok),  # what the servers prefilled and generated for it
+        "completion_tokens": sum(lengths),
         "truncated_frac": sum(is_truncated(c.finish_reason) for c, _ in ok) / max(1, len(ok)),
         "replies": [{"prompt": ts.messages[-1]["content"], "reply": c.text, "finish": c.finish_reason,
                      "tokens": len(c.token_ids), "label": label}

@@ -24,6 +24,8 @@ class ActorConfig:
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     eval_samples: int = 6  # held-out replies (the first problems) recorded per evaluation, shown in the report
     eval_priority: int = 1  # built-in servers start waiting rollouts (priority 0) before evaluation requests
+    # the base and the final evaluations score the whole held-out split; in-run ones a window rotating over it
+    eval_subset: int = 0  # problems per in-run evaluation, rotating over the held-out split (0 = all of it)
     # requests carry min_weight_version (the oldest weights the staleness bound allows), which inflight's servers
     # honour by holding the request until they have it; the trainer then publishes a version as soon as it is
     # trained, not after its push (set false for a server that ignores the field; off for adapter vllm | sglang)
@@ -35,6 +37,10 @@ class ActorConfig:
     reward_workers: int = 2
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
     max_failed_in_a_row: int = 50  # this many groups failing one after another stop the actor (0 = never)
+
+    def __post_init__(self) -> None:
+        if self.eval_subset < 0:
+            raise ValueError(f"actor.eval_subset must be >= 0 (0 = the whole held-out split), not {self.eval_subset}")
 
     def groups_allowed(self, trainer_version: int) -> int:
         """How many groups may have been started (and not given up) once the trainer published `trainer_version`:

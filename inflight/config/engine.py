@@ -14,6 +14,7 @@ class ServerConfig:
     max_batch: int = 128  # sequences decoded together
     max_model_len: int = 512
     max_tokens_per_step: int = 4096  # token budget of one engine step (prefill chunks + decodes)
+    low_priority_prefill: int = 256  # built-in engine: prefill tokens per step for evaluation (priority > 0) requests
     prefix_reuse: bool = True  # built-in engine: finished sequences' KV reused by prompts that continue them
     cuda_graphs: str = "auto"  # auto | on | off: built-in engine's decode steps as CUDA graphs (auto: on for CUDA)
     api_key: str = ""

@@ -3,6 +3,10 @@
 One engine step = one forward over a flat batch of tokens: every decoding sequence contributes its last token,
 then waiting prompts (and sequences being re-prefilled after an `interrupt` weight update) contribute chunks
 until `max_tokens_per_step` is used. New requests join at the next step; finished sequences leave at once.
+Priorities (SamplingParams.priority, lower first) order admission and prefill; a request of priority > 0 (held-out
+evaluation) prefills at most `low_priority_prefill` tokens per step, so its burst of distinct prompts is spread over
+steps instead of making one long step that the running decodes and a weight update (paused at the next step
+boundary) would wait for.
 llama / qwen2 models run through our own forward (llama_runner.py); any other causal LM through HF (hf_runner.py).
 
 Logprobs: see sampling.py. In short, the log-probability under the distribution the token was sampled from
@@ -74,7 +78,7 @@ class InferenceEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
                  max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
                  generator_precision: str = "float32", prefix_reuse: bool = True, cuda_graphs: str = "auto",
-                 device_sampling: bool | None = None):
+                 device_sampling: bool | None = None, low_priority_prefill: int = 256):
         if threads > 0:
             torch.set_num_threads(threads)
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -91,6 +95,9 @@ class InferenceEngine:
         cfg = self.model.config
         self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
         self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
+        if low_priority_prefill < 1:
+            raise ValueError(f"low_priority_prefill must be >= 1 token per step, not {low_priority_prefill}")
+        self.low_priority_prefill = low_priority_prefill
         embeddings: Any = self.model.get_input_embeddings()  # an nn.Embedding (or a subclass), per architecture
         self.vocab_size: int = embeddings.num_embeddings
         # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
@@ -427,10 +434,19 @@ class InferenceEngine:
             self._st["prefill_tokens_total"] += s.n_gen == 0  # a reused prefix's last prompt token
         nd = len(seqs)
         budget -= nd
-        for s in self._running:  # then prompt / re-prefill chunks, in arrival order, within the budget
+        # then prompt / re-prefill chunks within the budget, most urgent first (then arrival); requests of a
+        # lower priority (priority > 0: evaluation) prefill at most `low_priority_prefill` tokens per step, so a
+        # burst of their prompts never makes one long step that decodes and a weight update wait behind
+        low = self.low_priority_prefill
+        for s in sorted(self._running, key=lambda s: s.req.params.priority):
             pending = len(s.tokens) - s.num_cached
             if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
                 c = min(pending, budget, prompt_scores.MAX_ROWS if s.scores is not None else budget)
+                if s.req.params.priority > 0:
+                    if low <= 0:
+                        continue
+                    c = min(c, low)
+                    low -= c
                 if s.num_cached == 0:
                     s.kv_version = self.version
                     if s.scores is not None:

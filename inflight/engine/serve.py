@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=128, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=512, help="context length (prompt + completion)")
     p.add_argument("--max-tokens-per-step", type=int, default=4096, help="token budget of one engine step")
+    p.add_argument("--low-priority-prefill", type=int, default=256,
+                   help="prefill tokens per engine step for requests of priority > 0 (held-out evaluation), so "
+                        "they never make a long step that rollouts and weight updates wait for")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished sequences' KV in free slots; a prompt that continues one (a multi-turn "
@@ -102,7 +105,8 @@ def build_app(args: argparse.Namespace):
                              max_model_len=args.max_model_len, max_tokens_per_step=args.max_tokens_per_step,
                              threads=args.threads, generator_precision=args.generator_precision,
                              prefix_reuse=getattr(args, "prefix_reuse", True),
-                             cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+                             cuda_graphs=getattr(args, "cuda_graphs", "auto"),
+                             low_priority_prefill=getattr(args, "low_priority_prefill", 256))
     if template is not None:
         engine.tokenizer.chat_template = template
     can = TemplateAbilities.of(engine.tokenizer, parser)

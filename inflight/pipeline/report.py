@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from inflight.actor.eval_subset import binomial_stderr
 from inflight.pipeline.metrics import read_metrics
 from inflight.pipeline.replies import replies_html
 
@@ -50,9 +51,11 @@ def _samples_at(run: Run) -> list[tuple[float, float]]:
     return [(r["time"], r.get("samples_total", 0)) for r in run.events("train_step")]
 
 
-def _eval_points(run: Run) -> tuple[list[float], list[float], list[float]]:
+def _eval_points(run: Run) -> tuple[list[float], list[float], list[float], list[float | None]]:
+    """(wall times, samples trained, accuracies in %, their standard errors in %) of the run's evaluations; a
+    record without `stderr` (older runs) gets the binomial one from its accuracy and num_problems, if it has them."""
     steps = _samples_at(run)
-    ts, samples, acc = [], [], []
+    ts, samples, acc, err = [], [], [], []
     for r in run.events("eval"):
         if r.get("accuracy") is None:
             continue
@@ -60,7 +63,17 @@ def _eval_points(run: Run) -> tuple[list[float], list[float], list[float]]:
         ts.append(r["time"] - run.t0)
         samples.append(float(r.get("samples_total", before[-1] if before else 0)))
         acc.append(100.0 * float(r["accuracy"]))
-    return ts, samples, acc
+        se = r.get("stderr")
+        if se is None and r.get("num_problems"):
+            se = binomial_stderr(float(r["accuracy"]), int(r["num_problems"]))
+        err.append(None if se is None else 100.0 * float(se))
+    return ts, samples, acc, err
+
+
+def _band(xs: list[float], ys: list[float], errs: list[float | None]) -> tuple[list[float], list[float], list[float]]:
+    """The points that have a standard error: (x, y - stderr, y + stderr)."""
+    pts = [(x, y - e, y + e) for x, y, e in zip(xs, ys, errs) if e is not None]
+    return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
 
 
 def late_mean(steps: list[dict], key: str, share: float = 0.1) -> float | None:
@@ -74,7 +87,7 @@ def late_mean(steps: list[dict], key: str, share: float = 0.1) -> float | None:
 
 def summary(run: Run) -> dict[str, Any]:
     steps = run.events("train_step")
-    evals = _eval_points(run)[2]
+    _, _, evals, errs = _eval_points(run)
     lag: Counter[int] = Counter()
     for r in steps:
         lag.update({int(k): v for k, v in (r.get("lag_hist") or {}).items()})
@@ -88,6 +101,7 @@ def summary(run: Run) -> dict[str, Any]:
                                if r.get("base") and r.get("accuracy") is not None), None),
         "first_accuracy": evals[0] if evals else None,
         "last_accuracy": evals[-1] if evals else None,
+        "last_stderr": errs[-1] if errs else None,
         "best_accuracy": max(evals) if evals else None,
         "lag_max": max(lag) if lag else None,
         "mixed_version_samples": sum(r.get("mixed_version_samples", 0) for r in steps),
@@ -99,17 +113,31 @@ def summary(run: Run) -> dict[str, Any]:
 
 
 def _plot(name: str, runs: list[Run], out: Path) -> Path:
-    import matplotlib  # lazy: start-up cost (~2 s on a small CPU), paid only when plotting
+    import matplotlib.pyplot as plt  # lazy: matplotlib's import is slow and only the report needs it
+
+    fig = figure(name, runs)
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def figure(name: str, runs: list[Run]) -> Any:
+    """One report plot (a matplotlib Figure, two axes) of every run."""
+    import matplotlib  # lazy: matplotlib's import is slow and only the report needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: after choosing the Agg backend above
+    import matplotlib.pyplot as plt  # lazy: as above
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in runs:
-        if name == "accuracy":
-            t, s, a = _eval_points(run)
-            axes[0].plot(t, a, marker="o", label=run.name)
-            axes[1].plot(s, a, marker="o", label=run.name)
+        if name == "accuracy":  # each evaluation +- its standard error as a band
+            t, s, a, e = _eval_points(run)
+            for ax, x in ((axes[0], t), (axes[1], s)):
+                line = ax.plot(x, a, marker="o", label=run.name)[0]
+                bx, lo, hi = _band(x, a, e)
+                if bx:
+                    ax.fill_between(bx, lo, hi, alpha=0.2, color=line.get_color(), label=f"{run.name} ± stderr")
             axes[0].set(xlabel="wall time (s)", ylabel="held-out accuracy (%)")
             axes[1].set(xlabel="samples trained", ylabel="held-out accuracy (%)")
         elif name == "reward":
@@ -167,10 +195,7 @@ def _plot(name: str, runs: list[Run], out: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return fig
 
 
 TITLES = {

@@ -345,3 +345,51 @@ def test_groups_failing_in_a_row_stop_the_actor(rewards):
     actor = asyncio.run(main())
     bound = actor.cfg.groups_allowed(0)  # at most one bound's worth more started
     assert 7 <= actor.metrics.groups_failed == len(calls) <= 7 + bound
+
+
+def test_evaluation_subset_rotates_over_the_split_with_its_stderr(server, rewards):
+    """subset=3 of 8 problems: rounds 0, 1, 2 score windows [0..2], [3..5], [6, 7, 0], together the whole split; each
+    reports the binomial standard error of its own accuracy, and a greedy reply is the one the full evaluation gave."""
+    import math
+
+    task, cfg = get_task(TASK_CFG), actor_cfg(eval_temperature=0.0, eval_samples=8)
+    prompts = [s.messages[-1]["content"] for s in task.eval_samples()]
+
+    async def main():
+        pool = ServerPool([server.url])
+        try:
+            full = await evaluate(task, pool, cfg, rewards=rewards)
+            return full, [await evaluate(task, pool, cfg, rewards=rewards, subset=3, round_index=r)
+                          for r in range(3)]
+        finally:
+            await pool.aclose()
+
+    full, parts = asyncio.run(main())
+    assert full["num_problems"] == full["split_size"] == 8 and full["subset_start"] == 0
+    assert [p["subset_start"] for p in parts] == [0, 3, 6]
+    seen = []
+    for p, want in zip(parts, ([0, 1, 2], [3, 4, 5], [6, 7, 0]), strict=True):
+        assert p["num_problems"] == 3 and p["split_size"] == 8
+        assert [r["prompt"] for r in p["replies"]] == [prompts[i] for i in want]
+        seen += [r["prompt"] for r in p["replies"]]
+        acc = p["labels"].get("correct", 0) / 3
+        assert p["pass@1"] == acc and p["stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) / 3), abs=1e-12)
+    assert set(seen) == set(prompts)
+    by_prompt = {r["prompt"]: r["reply"] for r in full["replies"]}
+    assert all(r["reply"] == by_prompt[r["prompt"]] for p in parts for r in p["replies"])  # greedy, same weights
+    acc = full["pass@1"]
+    assert full["stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) / 8), abs=1e-12)
+
+
+def test_run_actor_evaluates_rotating_subsets_after_a_full_base(server, weights_file):
+    cfg = RunConfig(task=TASK_CFG, actor=actor_cfg(eval_every=1, eval_subset=3))
+    cfg.pipeline.max_steps = 3
+    stream, events, stop = new_stream(), [], threading.Event()
+    stub = TrainerStub(stream, [server.url], 2, 3, weights_file).start()
+    run_actor(cfg, [server.url], stream, stop, events.append)
+    stub.join()
+    evals = [e for e in events if e["kind"] == "eval"]
+    assert evals[0]["base"] and evals[0]["num_problems"] == 8  # the base model on the whole split
+    runs = evals[1:]
+    assert runs and all(e["num_problems"] == 3 for e in runs)
+    assert [e["subset_start"] for e in runs] == [(3 * k) % 8 for k in range(len(runs))]  # consecutive windows

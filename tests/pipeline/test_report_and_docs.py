@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from inflight.pipeline.config_docs import DOC_PATH, render
 from inflight.pipeline.metrics import MetricsLogger, MetricsTail, read_metrics
-from inflight.pipeline.report import summary, write_report, Run
+from inflight.pipeline.report import Run, summary, write_report
 from inflight.pipeline.scrape import parse_prometheus
 
 
@@ -131,3 +133,31 @@ def test_report_shows_lengths_and_escaped_replies(tmp_path):
     assert abs(s["truncated_pct_last"] - 97.5) < 1e-9  # the last 10% of 20 steps: 95% and 100%
     assert abs(s["completion_len_last"] - 11.85) < 1e-9 and s["warnings"] == 1
     assert pick(list(range(10)), 4) == [0, 3, 6, 9] and pick([1, 2], 4) == [1, 2]
+
+
+def test_accuracy_plot_draws_each_evaluation_with_its_stderr_band(tmp_path):
+    """The band around the accuracy curve spans accuracy +- stderr at every evaluation, on both axes; a record
+    without `stderr` (older runs) gets the binomial one from num_problems."""
+    import math
+
+    from inflight.pipeline.report import figure
+
+    actor, trainer = MetricsLogger(tmp_path, "actor"), MetricsLogger(tmp_path, "trainer")
+    MetricsLogger(tmp_path, "launcher").log("run_start")
+    points = [(0.25, 200, 0.030619), (0.5, 50, 0.0707107), (0.8, 50, None)]  # (accuracy, problems, stderr)
+    for k, (acc, n, se) in enumerate(points, 1):
+        trainer.log("train_step", step=k, samples_total=100 * k)
+        actor.log("eval", step=k, accuracy=acc, num_problems=n, **({} if se is None else {"stderr": se}))
+    actor.close()
+    trainer.close()
+    fig = figure("accuracy", [Run(tmp_path)])
+    want = [100 * (se if se is not None else math.sqrt(acc * (1 - acc) / n)) for acc, n, se in points]
+    for ax in fig.axes:
+        (x, y) = ax.lines[0].get_data()
+        assert list(y) == pytest.approx([100 * a for a, _, _ in points])
+        (band,) = ax.collections
+        verts = band.get_paths()[0].vertices
+        for xv, yv, e in zip(x, y, want, strict=True):
+            at = verts[abs(verts[:, 0] - xv) < 1e-9][:, 1]
+            assert min(at) == pytest.approx(yv - e, abs=1e-6) and max(at) == pytest.approx(yv + e, abs=1e-6)
+    assert summary(Run(tmp_path))["last_stderr"] == pytest.approx(want[-1])
