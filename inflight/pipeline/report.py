@@ -72,7 +72,7 @@ def _eval_points(run: Run) -> tuple[list[float], list[float], list[float], list[
 
 def _band(xs: list[float], ys: list[float], errs: list[float | None]) -> tuple[list[float], list[float], list[float]]:
     """The points that have a standard error: (x, y - stderr, y + stderr)."""
-    pts = [(x, y - e, y + e) for x, y, e in zip(xs, ys, errs) if e is not None]
+    pts = [(x, y - e, y + e) for x, y, e in zip(xs, ys, errs, strict=True) if e is not None]
     return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
 
 
