@@ -29,9 +29,9 @@ demo-real: $(STAMP)
 redis:
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); } || echo "warning: redis-server missing (apt-get install redis-server); the Redis stream tests will fail"
 
-# The whole suite (with the lm-eval test venv built first, for tests/evals), then the OpenEnv and vLLM stages (their
-# own test venvs; CI runs all of them through this target). The 25
-# slowest tests are listed at the end: CI's time budget is tight, they are where to look first.
+# The whole suite (with the lm-eval test venv built first, for tests/evals), then the OpenEnv, verifiers 0.4 and vLLM
+# stages (their own test venvs; CI runs all of them through this target). The 25 slowest tests are listed at the end:
+# CI's time budget is tight, they are where to look first.
 test: $(STAMP) redis lmeval-venv
 	$(BIN)/python -m pytest -q --durations=25 tests
 	$(MAKE) --no-print-directory test-openenv
@@ -64,6 +64,7 @@ openenv-venv: $(STAMP)
 
 test-openenv: openenv-venv
 	.cache/openenv-venv/bin/python -m pytest -q --durations=5 tests/openenv_task
+
 # verifiers 0.4 (tests/verifiers04): .venv keeps verifiers 0.3.1 (the classic API); 0.4 is tested in a venv of its own
 # that reads .venv's packages and adds verifiers 0.4, openai 2.x, mcp 2.x and uv (~1 min the first time, PyPI needed),
 # kept in the user cache keyed by the script that builds it; .cache/verifiers04-venv links to it. The tests train
