@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator
 import httpx
 
 from inflight.config.tasks import TaskConfig
-from inflight.contracts import StepResult, TaskSample, Verdict, Verification
+from inflight.contracts import StepResult, TaskSample, Verification
+from inflight.tasks.one_turn import verify_one_turn
 
 ARGS = {"renderer", "action_parser", "reward", "reset_args", "max_sessions"}
 REWARDS = ("sum", "final")
@@ -162,19 +163,7 @@ class OpenEnvTask:
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
         """One reply scored as a whole episode's only step (a single-turn evaluation); no done after it gives 0."""
-        async def one() -> StepResult:
-            ep = self.make_env(sample)
-            try:
-                await ep.open()
-                await ep.reset(sample)
-                return await ep.step(completion)
-            finally:
-                await ep.close()
-
-        res = asyncio.run(one())
-        if not res.done:
-            return Verification(0.0, Verdict.no_answer if finish_reason != "length" else Verdict.truncated)
-        return Verification(float(res.reward or 0.0), Verdict.correct if (res.reward or 0) > 0 else Verdict.wrong)
+        return verify_one_turn(self.make_env, sample, completion, finish_reason)
 
 
 class OpenEnvEpisode:

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from inflight.config.tasks import TaskConfig
-from inflight.contracts import StepResult, TaskSample, Verdict, Verification
+from inflight.contracts import StepResult, TaskSample, Verification
 from inflight.tasks.math_jsonl import shuffled_forever
+from inflight.tasks.one_turn import verify_one_turn
 from inflight.tasks.tool_calls import parse_tool_calls
 
 
@@ -186,18 +187,7 @@ class VerifiersTask:
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
         """One reply scored as a whole episode's only turn (what a single-turn evaluation asks); an environment
         that wants another turn after it gives 0."""
-        async def one() -> StepResult:
-            ep = self.make_env(sample)
-            try:
-                await ep.reset(sample)
-                return await ep.step(completion)
-            finally:
-                await ep.close()
-
-        res = asyncio.run(one())
-        if not res.done:
-            return Verification(0.0, Verdict.no_answer if finish_reason != "length" else Verdict.truncated)
-        return Verification(float(res.reward or 0.0), Verdict.correct if (res.reward or 0) > 0 else Verdict.wrong)
+        return verify_one_turn(self.make_env, sample, completion, finish_reason)
 
 
 class VerifiersEpisode:

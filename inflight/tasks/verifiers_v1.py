@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from inflight.config.tasks import TaskConfig
-from inflight.contracts import StepResult, TaskSample, Verdict, Verification
+from inflight.contracts import StepResult, TaskSample, Verification
 from inflight.tasks.math_jsonl import shuffled_forever
-from inflight.tasks.tool_calls import parse_tool_calls, tools_system_text
+from inflight.tasks.one_turn import verify_one_turn
+from inflight.tasks.tool_calls import parse_tool_calls
 from inflight.tasks.verifiers_env import VerifiersError, _own_signals, _plain
 
 # the sentinel endpoint of inflight's model client: verifiers resolves a client per config, this one is ours
@@ -152,18 +153,7 @@ class VerifiersV1Task:
 
     def verify(self, completion: str, sample: TaskSample, finish_reason: str = "stop") -> Verification:
         """One reply scored as a whole episode's only turn; an environment that wants another turn gives 0."""
-        async def one() -> StepResult:
-            ep = self.make_env(sample)
-            try:
-                await ep.reset(sample)
-                return await ep.step(completion)
-            finally:
-                await ep.close()
-
-        res = asyncio.run(one())
-        if not res.done:
-            return Verification(0.0, Verdict.no_answer if finish_reason != "length" else Verdict.truncated)
-        return Verification(float(res.reward or 0.0), Verdict.correct if (res.reward or 0) > 0 else Verdict.wrong)
+        return verify_one_turn(self.make_env, sample, completion, finish_reason)
 
 
 class _Runner:
@@ -249,7 +239,7 @@ class VerifiersV1Episode:
         self.runner = task.runner
         self.channel: _Channel | None = None
         self.running: asyncio.Task[None] | None = None  # verifiers' run_episode, on the environment's loop
-        self.tools = False  # the episode's model requests list tools: replies are read for tool calls
+        self.tools: list[dict[str, Any]] | None = None  # the environment's tools, OpenAI's shape (after reset)
         self.prompt: list[Any] = []  # the pending request's messages (verifiers' message objects)
         self.tool_calls = 0
         self.done = False
@@ -311,14 +301,9 @@ class VerifiersV1Episode:
         self.prompt, tools = value
         role = self.task.cfg.tool_role
         messages = [_plain(m, role) for m in self.prompt]
-        if tools:  # the server takes no `tools`: the model reads them in the system message (tasks/tool_calls.py)
-            text = tools_system_text([{"name": t.name, "description": t.description, "parameters": t.parameters}
-                                      for t in tools])
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
-            else:
-                messages.insert(0, {"role": "system", "content": text})
-        self.tools = bool(tools)
+        # the chat template renders them, or the actor describes them in a system message (actor/episode.py)
+        self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                        "parameters": t.parameters}} for t in tools or []] or None
         return messages
 
     async def _step(self, reply: str) -> StepResult:

@@ -15,10 +15,13 @@ from tests.verifiers04.helpers import call, expected_reward, needs_v1, vf04_task
 pytestmark = [needs_v1, pytest.mark.usefixtures("keep_signal_handlers")]
 
 
-def run(task, ts, replies):
+def run(task, ts, replies, tools=None):
+    tools = [] if tools is None else tools
+
     async def main():
         ep = task.make_env(ts)
         out = [await ep.reset(ts)]
+        tools.extend(ep.tools or [])
         try:
             for r in replies:
                 out.append(await ep.step(r))
@@ -67,10 +70,13 @@ def test_multi_turn_env_user_turns_and_rubric():
 def test_tool_env_mcp_tool_and_rubric():
     task = get_task(vf04_task("tool"))
     ts = task.eval_samples()[0]  # 67*53
-    first, r1, r2 = run(task, ts, [call("67*53"), f"So \\boxed{{{67 * 53}}}"])
-    # the system prompt, then the MCP server's tool list (the server takes no `tools` field), then the question
-    assert first[0]["content"].startswith("Use the calculator.\n\n") and '{"name":"calc",' in first[0]["content"]
-    assert first[1:] == ts.messages[1:]
+    tools = []
+    first, r1, r2 = run(task, ts, [call("67*53"), f"So \\boxed{{{67 * 53}}}"], tools)
+    # the environment's messages as they are; the MCP server's tool list is the episode's `tools` (OpenAI's shape),
+    # which the actor hands to the chat template or describes in a system message (actor/episode.py)
+    assert first == ts.messages
+    assert [t["function"]["name"] for t in tools] == ["calc"] and tools[0]["type"] == "function"
+    assert tools[0]["function"]["parameters"]["type"] == "object"
     # the harness ran the call read from the reply text on verifiers' tool server and sent its result back
     assert r1.messages == [{"role": "tool", "content": "3551"}] and r1.info["tool_calls"] == 1 and not r1.done
     assert r2.done and r2.reward == 1.5 == expected_reward("tool", [call("67*53"), "So \\boxed{3551}"], ts.answer)
