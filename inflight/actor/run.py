@@ -78,8 +78,8 @@ def env_rollout(run_cfg: RunConfig, task: Any) -> RolloutFn:
 def served_names(run_cfg: RunConfig) -> Callable[[int], str | None] | None:
     """A LoRA run on stock vLLM servers (trainer.protocol=vllm): version v > 0 is served as its own adapter name
     (trainer/protocols/vllm_lora.py), version 0 as the base model; else None (the servers report versions)."""
-    t = getattr(run_cfg, "trainer", None)
-    if t is None or t.lora is None:
+    t = run_cfg.trainer
+    if t.lora is None:
         return None
     if not getattr(protocol_of(run_cfg), "ADAPTER_PER_VERSION", False):
         return None

@@ -96,7 +96,7 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 def check_config(cfg: RunConfig) -> None:
-    if getattr(cfg.trainer, "lora", None) is not None:
+    if cfg.trainer.lora is not None:
         raise ValueError("trainer.lora with trainer.protocol=sglang is not supported (SGLang's /load_lora_adapter has "
                          "never run here); use trainer.protocol=vllm (stock vLLM with --enable-lora) or inflight")
 

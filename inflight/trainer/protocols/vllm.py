@@ -121,7 +121,7 @@ class VLLMWeightSync(ProtocolClient):
 
 def check_config(cfg: RunConfig) -> None:
     """trainer.lora with stock vLLM servers: vLLM's runtime LoRA loading (vllm_lora.py)."""
-    if getattr(cfg.trainer, "lora", None) is None:
+    if cfg.trainer.lora is None:
         return
     if cfg.pipeline.update_mode != "keep":
         raise ValueError("trainer.lora with trainer.protocol=vllm: pipeline.update_mode must be 'keep' (vLLM keeps a "
@@ -133,7 +133,7 @@ def check_config(cfg: RunConfig) -> None:
 
 def make_client(cfg: RunConfig, server_urls: list[str], common: dict[str, Any]) -> Any:
     t = cfg.trainer
-    if getattr(t, "lora", None) is not None:
+    if t.lora is not None:
         check_config(cfg)
         return vllm_lora_client(cfg, server_urls)
     require_process_group(cfg)
