@@ -29,7 +29,8 @@ PRESETS = {
                               answer_format="last_number",
                               system_prompt="You are a calculator. Reply with the result as a number."),
                     max_new_tokens=24, prompts_per_step=4, group_size=8, temperature=0.7, lr=2e-5,
-                    config="configs/cpu-smollm2.yaml", sync_config="configs/cpu-smollm2.yaml", task_overrides=[]),
+                    config="configs/cpu-smollm2.yaml", sync_config="configs/cpu-smollm2.yaml",
+                    task_overrides=["trainer.lora=null"]),  # full fine-tuning, as TRL's side trains
 }
 
 

@@ -25,6 +25,7 @@ class ActorConfig:
     eval_samples: int = 6  # held-out replies (the first problems) recorded per evaluation, shown in the report
     eval_priority: int = 1  # built-in servers start waiting rollouts (priority 0) before evaluation requests
     # the base and the final evaluations score the whole held-out split; in-run ones a window rotating over it
+    # a run's best accuracy then counts runs of consecutive subsets that together score the whole split
     eval_subset: int = 0  # problems per in-run evaluation, rotating over the held-out split (0 = all of it)
     # requests carry min_weight_version (the oldest weights the staleness bound allows), which inflight's servers
     # honour by holding the request until they have it; the trainer then publishes a version as soon as it is

@@ -1,14 +1,15 @@
 """The rotating evaluation subset covers the whole held-out split, and the accuracy's standard error is the
-binomial one, against plain references."""
+binomial one, against plain references; whole-split scores from runs of subsets."""
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 import pytest
 
-from inflight.actor.eval_subset import binomial_stderr, rotating_subset
+from inflight.actor.eval_subset import binomial_stderr, rotating_subset, whole_split_scores
 
 
 @pytest.mark.parametrize("n,size", [(200, 50), (100, 25), (10, 3), (7, 7), (5, 1)])
@@ -57,3 +58,30 @@ def test_stderr_values_and_bad_input():
         binomial_stderr(0.5, 0)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         binomial_stderr(1.5, 10)
+
+
+def test_whole_split_scores_of_a_fixed_policy_equal_its_accuracy_on_the_split():
+    # a policy that does not change: each problem right or wrong for good; subsets of 50 rotate over 200
+    rng = random.Random(3)
+    right = [rng.random() < 0.7 for _ in range(200)]
+    problems = list(range(200))
+    evals = [(sum(right) / 200, 200, 200)]  # base: the whole split
+    for k in range(9):
+        sub = rotating_subset(problems, 50, k)
+        evals.append((sum(right[p] for p in sub) / 50, 50, 200))
+    scores = whole_split_scores(evals)
+    # the base, then one score per window of 4 consecutive subsets (subset evaluations 4..9), each the whole split
+    assert len(scores) == 1 + 6
+    for s in scores:
+        assert s == pytest.approx(sum(right) / 200, abs=1e-12)
+    assert max(acc for acc, _, _ in evals[1:]) > sum(right) / 200  # a single subset's best overstates it
+
+
+def test_whole_split_scores_weigh_by_problems_and_restart_after_a_full_evaluation():
+    evals = [(0.5, 40, 100), (0.6, 40, 100), (0.9, 20, 100), (0.8, 100, 100), (0.1, 60, 100), (0.3, 60, 100)]
+    assert whole_split_scores(evals) == pytest.approx([
+        (0.5 * 40 + 0.6 * 40 + 0.9 * 20) / 100,  # the first three cover the split
+        0.8,  # a whole-split evaluation as it is
+        (0.3 * 60 + 0.1 * 60) / 120,  # the last two, not across the full one
+    ])
+    assert whole_split_scores([(0.4, 10, 100)]) == []  # a split never covered gives no estimate

@@ -56,6 +56,7 @@ def test_inflight_train_three_steps_on_openenv_episodes(env_url, server, smollm2
             "pipeline.progress=false", "pipeline.tensorboard=false", "trainer.lr=3e-4", "actor.group_size=2",
             "actor.groups_per_step=2", "actor.max_new_tokens=12", "actor.max_lag=1", "actor.eval_every=100",
             "algo.entropy_coef=0.01",  # every sample has a gradient, whatever the rewards
+            "trainer.lora=null",  # full fine-tuning, whatever the demo's recipe
             "task.name=openenv", f"task.env={env_url}", f"task.env_args.renderer={AGENT}:render",
             f"task.env_args.action_parser={AGENT}:parse", "task.env_args.max_sessions=4", "task.max_turns=3",
             "task.eval_size=2", "task.max_episode_tokens=240"]

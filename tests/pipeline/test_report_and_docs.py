@@ -161,3 +161,16 @@ def test_accuracy_plot_draws_each_evaluation_with_its_stderr_band(tmp_path):
             at = verts[abs(verts[:, 0] - xv) < 1e-9][:, 1]
             assert min(at) == pytest.approx(yv - e, abs=1e-6) and max(at) == pytest.approx(yv + e, abs=1e-6)
     assert summary(Run(tmp_path))["last_stderr"] == pytest.approx(want[-1])
+
+
+def test_best_accuracy_rests_on_the_whole_split_not_the_luckiest_subset(tmp_path):
+    """With rotating subsets, the best is the best whole-split evaluation or run of subsets covering the split."""
+    actor = MetricsLogger(tmp_path, "actor")
+    MetricsLogger(tmp_path, "launcher").log("run_start")
+    evals = [(0.30, 200), (0.60, 100), (0.90, 100), (0.70, 100), (0.72, 200)]  # base, 3 subsets of 100, final
+    for k, (acc, n) in enumerate(evals):
+        actor.log("eval", step=k, accuracy=acc, num_problems=n, split_size=200)
+    actor.close()
+    s = summary(Run(tmp_path))
+    assert s["best_accuracy"] == pytest.approx(100 * (0.90 + 0.70) / 2)  # not the single subset's 90%
+    assert s["last_accuracy"] == pytest.approx(72.0)

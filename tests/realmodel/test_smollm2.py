@@ -86,6 +86,7 @@ def test_three_pipelined_steps_pushed_server_matches_float64_forward_and_tied_he
             f"model.path={smollm2_dir}", f"pipeline.run_dir={tmp_path}", "name=smol", f"pipeline.server_urls=[{server.url}]",
             f"pipeline.weight_sync_port={free_port()}", "pipeline.max_steps=3", "pipeline.max_minutes=0",
             "pipeline.progress=false", "pipeline.tensorboard=false", "trainer.lr=3e-4", "actor.group_size=4",
+            "trainer.lora=null",  # full fine-tuning: the tied embedding and head move together
             "actor.groups_per_step=2", "actor.max_new_tokens=12", "actor.max_lag=1", "task.eval_size=4",
             "actor.eval_every=100", "algo.entropy_coef=0.01"]  # every sample has a gradient, whatever the rewards
     res = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
