@@ -23,7 +23,7 @@ PRESETS = {
     "tiny": dict(model=".cache/peers/models/warm", task=dict(name="arith", digits=2, terms=2, operators=["+"], eval_size=200, prompt=PROMPT),
                  max_new_tokens=12, prompts_per_step=16, group_size=8, temperature=1.0, lr=3e-4,
                  config="configs/cpu-demo.yaml", sync_config="configs/cpu-sync.yaml", task_overrides=[
-                     'task.prompt="{expr}="']),
+                     'task.prompt="{expr}="', "trainer.schedule=constant"]),  # a constant lr, as TRL's side
     # the real pretrained model (inflight get-model smollm2-135m-instruct), configs/cpu-smollm2.yaml
     "smollm2": dict(model=".cache/models/smollm2-135m-instruct", task=dict(name="arith", digits=2, terms=2, operators=["+"], eval_size=100,
                               answer_format="last_number",
