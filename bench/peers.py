@@ -81,7 +81,7 @@ def setup_trl() -> None:
     sh(["python3", "-m", "venv", str(CACHE / "trl")])
     pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
     sh(pip + [f"torch=={torch.__version__.split('+')[0]}"])
-    sh(pip + ["trl", f"transformers=={transformers.__version__}", "pydantic",
+    sh(pip + ["trl", f"transformers=={transformers.__version__}", "pydantic", "httpx",  # inflight.tasks imports it
               f"torch=={torch.__version__.split('+')[0]}"])
 
 

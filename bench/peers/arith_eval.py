@@ -30,7 +30,7 @@ PRESETS = {
                               system_prompt="You are a calculator. Reply with the result as a number."),
                     max_new_tokens=24, prompts_per_step=4, group_size=8, temperature=0.7, lr=2e-5,
                     config="configs/cpu-smollm2.yaml", sync_config="configs/cpu-smollm2.yaml",
-                    task_overrides=["trainer.lora=null"]),  # full fine-tuning, as TRL's side trains
+                    task_overrides=["trainer.lora=null", "trainer.schedule=constant"]),  # full FT at one lr, as TRL
 }
 
 

@@ -11,7 +11,7 @@ def options(s: Any, cuda: bool) -> list[str]:
     """server.* as `inflight serve` options."""
     return ["--dtype", s.dtype, "--max-batch", str(s.max_batch), "--max-model-len", str(s.max_model_len),
             "--max-tokens-per-step", str(s.max_tokens_per_step), "--threads", str(s.threads),
-            "--low-priority-prefill", str(s.low_priority_prefill),
+            "--low-priority-prefill", str(s.low_priority_prefill), "--low-priority-seqs", str(s.low_priority_seqs),
             *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
             *([] if s.prefix_reuse else ["--no-prefix-reuse"]),
             *(["--cuda-graphs", s.cuda_graphs] if s.cuda_graphs != "auto" else []),

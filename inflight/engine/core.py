@@ -2,11 +2,11 @@
 
 One engine step = one forward over a flat batch of tokens: every decoding sequence contributes its last token,
 then waiting prompts (and sequences being re-prefilled after an `interrupt` weight update) contribute chunks
-until `max_tokens_per_step` is used. New requests join at the next step; finished sequences leave at once.
-Priorities (SamplingParams.priority, lower first) order admission and prefill; a request of priority > 0 (held-out
-evaluation) prefills at most `low_priority_prefill` tokens per step, so its burst of distinct prompts is spread over
-steps instead of making one long step that the running decodes and a weight update (paused at the next step
-boundary) would wait for.
+until `max_tokens_per_step` is used (schedule.py). New requests join at the next step; finished sequences leave at
+once. Priorities (SamplingParams.priority, lower first) order admission and prefill. Held-out evaluation (priority
+> 0) stays out of the way of rollouts and weight updates: at most `low_priority_prefill` of its prompt tokens per
+step, at most `low_priority_seqs` of its sequences at once, and none of its work while an update is on its way
+(`update_incoming`), so a pause never waits for a step that only evaluation needed.
 llama / qwen2 models run through our own forward (llama_runner.py); any other causal LM through HF (hf_runner.py).
 
 Logprobs: see sampling.py. In short, the log-probability under the distribution the token was sampled from
@@ -48,17 +48,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.contracts import tied_aliases
-from inflight.engine import llama_runner, precision, prompt_scores, step
+from inflight.engine import llama_runner, precision, schedule, step
 from inflight.engine.device_sampling import DeviceSampler
 from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.hf_runner import HFRunner
@@ -78,7 +79,8 @@ class InferenceEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
                  max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
                  generator_precision: str = "float32", prefix_reuse: bool = True, cuda_graphs: str = "auto",
-                 device_sampling: bool | None = None, low_priority_prefill: int = 256):
+                 device_sampling: bool | None = None, low_priority_prefill: int = 256,
+                 low_priority_seqs: int = 0):
         if threads > 0:
             torch.set_num_threads(threads)
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -97,7 +99,9 @@ class InferenceEngine:
         self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
         if low_priority_prefill < 1:
             raise ValueError(f"low_priority_prefill must be >= 1 token per step, not {low_priority_prefill}")
-        self.low_priority_prefill = low_priority_prefill
+        if low_priority_seqs < 0:
+            raise ValueError(f"low_priority_seqs must be >= 0 (0: no limit), not {low_priority_seqs}")
+        self.low_priority_prefill, self.low_priority_seqs = low_priority_prefill, low_priority_seqs
         embeddings: Any = self.model.get_input_embeddings()  # an nn.Embedding (or a subclass), per architecture
         self.vocab_size: int = embeddings.num_embeddings
         # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
@@ -146,6 +150,7 @@ class InferenceEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._in_pause = False
+        self._incoming = 0  # weight updates being received (update_incoming): evaluation steps wait for them
         self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0,
                         prefix_reused_tokens_total=0)
         # set to a list to record every step as (decodes, their summed context, prefill tokens, seconds): the
@@ -227,6 +232,25 @@ class InferenceEngine:
             self._cv.notify()
         return await asyncio.wrap_future(fut)
 
+    @contextlib.contextmanager
+    def update_incoming(self) -> Iterator[None]:
+        """Held by the weight receiver from the moment an update arrives until it is applied: meanwhile no step
+        runs evaluation (priority > 0) work, so the pause starts as soon as the rollouts' step allows."""
+        with self._cv:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._incoming -= 1
+                self._cv.notify()
+
+    def _has_work(self) -> bool:
+        if not self._incoming:
+            return bool(self._running or self._waiting)
+        return (any(s.req.params.priority <= 0 for s in self._running)
+                or any(r.params.priority <= 0 and r.params.n <= self._slots.available() for r in self._waiting))
+
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int, mode: str = "keep") -> None:
         if not (self._in_pause and threading.current_thread() is self._thread):
             raise RuntimeError("load_weights must be called inside run_paused")
@@ -266,8 +290,7 @@ class InferenceEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._inbox or self._aborts or self._pause_calls or self._running
-                           or self._waiting):
+                while not (self._stopping or self._inbox or self._aborts or self._pause_calls or self._has_work()):
                     first = min((r.deadline for r in self._held), default=float("inf"))
                     if first == float("inf"):
                         self._cv.wait()
@@ -346,9 +369,14 @@ class InferenceEngine:
         if not self._waiting:
             return
         order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
+        low = sum(not s.done for s in self._running if s.req.params.priority > 0)
         k = 0
         while k < len(order) and self._slots.available() >= order[k].params.n:
             req = order[k]
+            if req.params.priority > 0 and self.low_priority_seqs:  # the rest of `order` is low priority too
+                if low and low + req.params.n > self.low_priority_seqs:
+                    break
+                low += req.params.n
             # choice 0 continues a retained sequence, unless the prompt is scored: reused positions have no logits
             hit = self._slots.take(req.prompt, self.version) if req.params.prompt_logprobs is None else None
             if hit is not None:
@@ -423,46 +451,17 @@ class InferenceEngine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        budget = self.max_tokens_per_step
-        chunks, want, seqs, score = [], [], [], []
-        decodes = [s for s in self._running if s.active and s.num_cached > 0 and len(s.tokens) - s.num_cached == 1]
-        for s in sorted(decodes, key=lambda s: s.slot)[:budget]:  # decodes first, one token each, in slot order
-            chunks.append((s.slot, s.num_cached, s.tokens[-1:]))
-            want.append(True)
-            score.append(0)
-            seqs.append(s)
-            self._st["prefill_tokens_total"] += s.n_gen == 0  # a reused prefix's last prompt token
-        nd = len(seqs)
-        budget -= nd
-        # then prompt / re-prefill chunks within the budget, most urgent first (then arrival); requests of a
-        # lower priority (priority > 0: evaluation) prefill at most `low_priority_prefill` tokens per step, so a
-        # burst of their prompts never makes one long step that decodes and a weight update wait behind
-        low = self.low_priority_prefill
-        for s in sorted(self._running, key=lambda s: s.req.params.priority):
-            pending = len(s.tokens) - s.num_cached
-            if budget > 0 and s.active and (pending > 1 or s.num_cached == 0):
-                c = min(pending, budget, prompt_scores.MAX_ROWS if s.scores is not None else budget)
-                if s.req.params.priority > 0:
-                    if low <= 0:
-                        continue
-                    c = min(c, low)
-                    low -= c
-                if s.num_cached == 0:
-                    s.kv_version = self.version
-                    if s.scores is not None:
-                        s.scores.clear()  # a re-prefill (interrupt update) scores with the new weights
-                chunks.append((s.slot, s.num_cached, s.tokens[s.num_cached : s.num_cached + c]))
-                want.append(c == pending)
-                score.append(s.scores.wanted(s.num_cached, c) if s.scores is not None else 0)
-                seqs.append(s)
-                budget -= c
-                self._st["prefill_tokens_total"] += c
-        if not chunks:
+        # evaluation waits while a weight update is on its way (update_incoming)
+        ch = schedule.choose(self._running, self.max_tokens_per_step, self.version, self.low_priority_prefill,
+                             hold=self._incoming > 0)
+        self._st["prefill_tokens_total"] += ch.prefill_tokens
+        if not ch.chunks:
             return
-        self._forward_and_sample(chunks, want, seqs, nd, score)
+        self._forward_and_sample(ch.chunks, ch.want, ch.seqs, ch.decodes, ch.score)
         if self.step_trace is not None:
-            ctx = sum(start + 1 for _, start, _ in chunks[:nd])
-            self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in chunks[nd:]), time.perf_counter() - t0))
+            nd = ch.decodes
+            ctx = sum(start + 1 for _, start, _ in ch.chunks[:nd])
+            self.step_trace.append((nd, ctx, sum(len(ids) for _, _, ids in ch.chunks[nd:]), time.perf_counter() - t0))
 
     def _forward_and_sample(self, chunks: list[step.Chunk], want: list[bool], seqs: list[_Seq], nd: int,
                             score: list[int]) -> None:

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-priority-prefill", type=int, default=256,
                    help="prefill tokens per engine step for requests of priority > 0 (held-out evaluation), so "
                         "they never make a long step that rollouts and weight updates wait for")
+    p.add_argument("--low-priority-seqs", type=int, default=0,
+                   help="sequences of priority > 0 running at once (0: no limit), so evaluation decodes do not "
+                        "lengthen every step that rollouts and weight updates wait for")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--prefix-reuse", action=argparse.BooleanOptionalAction, default=True,
                    help="keep finished sequences' KV in free slots; a prompt that continues one (a multi-turn "
@@ -106,7 +109,8 @@ def build_app(args: argparse.Namespace):
                              threads=args.threads, generator_precision=args.generator_precision,
                              prefix_reuse=getattr(args, "prefix_reuse", True),
                              cuda_graphs=getattr(args, "cuda_graphs", "auto"),
-                             low_priority_prefill=getattr(args, "low_priority_prefill", 256))
+                             low_priority_prefill=getattr(args, "low_priority_prefill", 256),
+                             low_priority_seqs=getattr(args, "low_priority_seqs", 0))
     if template is not None:
         engine.tokenizer.chat_template = template
     can = TemplateAbilities.of(engine.tokenizer, parser)

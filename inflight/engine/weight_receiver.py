@@ -31,11 +31,12 @@ left to end on its own, and it never touches the new group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import torch
 from safetensors import SafetensorError
@@ -228,12 +229,19 @@ class WeightReceiver:
         check_params(req.params or [], specs, self.aliases)
         return specs
 
+    @contextlib.asynccontextmanager
+    async def _incoming(self) -> AsyncIterator[None]:
+        """The engine's evaluation steps wait while this update is received and applied (core.py)."""
+        incoming = getattr(self.engine, "update_incoming", None)
+        with incoming() if incoming is not None else contextlib.nullcontext():
+            yield
+
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
         self.validate(req)
         if self._lock.locked():
             raise WeightUpdateError("another weight update is in progress", status=409)
-        async with self._lock:
+        async with self._lock, self._incoming():
             if req.ipc is not None and req.version == self.engine.version:  # a retry of what we hold (cuda_ipc.py)
                 log.info("weight update v%d: already held, nothing copied", req.version)
                 return {"version": req.version, "pause_s": 0.0, "applied": False}

@@ -1,11 +1,14 @@
 """Evaluation requests (priority > 0) prefill at most `low_priority_prefill` tokens per engine step: a burst of
 distinct held-out prompts is spread over steps, so rollouts keep decoding and a weight update, applied at the next
-step boundary, never waits behind one long prefill step. On the real engine, with a model big enough that a
+step boundary, never waits behind one long prefill step. With `low_priority_seqs`, at most that many evaluation
+sequences run at once, so their decodes do not lengthen every step either; and while a weight update is on its way
+(`update_incoming`), no step runs evaluation work at all. On the real engine, with a model big enough that a
 4,096-token prefill step is much longer than a decode step."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
@@ -39,9 +42,9 @@ def prompt(i: int) -> list[int]:
     return [4 + (i * 7 + j) % 60 for j in range(PROMPT_LEN)]
 
 
-def make_engine(path: Path, low: int) -> InferenceEngine:
+def make_engine(path: Path, low: int, low_seqs: int = 0) -> InferenceEngine:
     eng = InferenceEngine(str(path), max_batch=160, max_model_len=256, max_tokens_per_step=4096, threads=1,
-                          low_priority_prefill=low)
+                          low_priority_prefill=low, low_priority_seqs=low_seqs)
     eng.step_trace = []
     eng.start()
     return eng
@@ -77,6 +80,82 @@ def test_low_priority_prefill_is_capped_per_step_and_greedy_replies_unchanged(wi
             assert max(prefills) > 4 * cap, prefills
     assert outs[cap][1:] == outs[100_000][1:]  # greedy: the same replies either way
     assert [len(o) for o in outs[cap]] == [24] + [6] * 40
+
+
+def test_low_priority_seqs_caps_evaluation_sequences_running_at_once(wide_model_dir):
+    """With `low_priority_seqs` 8, steps decode the rollout's 4 choices and exactly up to 8 evaluation sequences;
+    without it all 40 decode together. The greedy replies are the same either way. An evaluation request of more
+    choices than the cap still runs, alone."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, priority=1)
+    rollout = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True, n=4, seed=1)
+    outs, most = {}, {}
+    for cap in (8, 0):
+        eng = make_engine(wide_model_dir, 100_000, cap)
+
+        async def main(eng: InferenceEngine):
+            return await asyncio.gather(run_one(eng, "roll", prompt(999), rollout),
+                                        *(run_one(eng, f"e{i}", prompt(i), greedy) for i in range(40)))
+
+        try:
+            outs[cap] = asyncio.run(asyncio.wait_for(main(eng), 120))
+            most[cap] = max(t[0] for t in eng.step_trace)
+            if cap:
+                wide = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, priority=1, n=12)
+
+                async def wide_and_one(eng: InferenceEngine, wide: SamplingParams = wide):
+                    return await asyncio.gather(run_one(eng, "wide", prompt(77), wide),
+                                                run_one(eng, "e", prompt(1), greedy))
+
+                eng.step_trace.clear()
+                assert [len(o) for o in asyncio.run(asyncio.wait_for(wide_and_one(eng), 60))] == [36, 6]
+                assert max(t[0] for t in eng.step_trace) == 12  # the wide request's 12, never beside "e"
+        finally:
+            eng.stop()
+    assert most == {8: 4 + 8, 0: 4 + 40}
+    assert outs[8][1:] == outs[0][1:]
+    assert [len(o) for o in outs[8]] == [120] + [6] * 40
+
+
+def thread_cpu_s(tid: int) -> float:
+    """CPU seconds (user + system) a thread of this process has used (Linux /proc)."""
+    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_evaluation_waits_while_an_update_is_incoming(wide_model_dir):
+    """While `update_incoming` is held and only evaluation runs, the engine thread sleeps (no step, no CPU); a
+    rollout request still runs, alone; a pause asked for then starts at once. Released, the evaluation ends with
+    the greedy tokens of an engine that was never held."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, priority=1)
+    rollout = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True, n=2, seed=3)
+    eng = make_engine(wide_model_dir, 64)
+    try:
+        async def main():
+            evals = [asyncio.ensure_future(run_one(eng, f"e{i}", prompt(i), greedy)) for i in range(8)]
+            while eng.stats()["generated_tokens_total"] < 16:  # the evaluation decodes
+                await asyncio.sleep(0.002)
+            with eng.update_incoming():
+                await asyncio.sleep(0.05)  # the step in flight ends
+                n0, cpu0 = len(eng.step_trace), thread_cpu_s(eng._thread.native_id)
+                await asyncio.sleep(0.5)
+                idle = (len(eng.step_trace) - n0, thread_cpu_s(eng._thread.native_id) - cpu0)
+                roll = await run_one(eng, "roll", prompt(999), rollout)
+                during = eng.step_trace[n0:]
+                asked = time.perf_counter()
+                waited = await eng.run_paused(lambda: time.perf_counter() - asked)
+            return idle, roll, during, waited, await asyncio.gather(*evals)
+
+        idle, roll, during, waited, held = asyncio.run(asyncio.wait_for(main(), 120))
+        assert idle[0] == 0 and idle[1] < 0.1, idle  # no step, the thread asleep (a spinning one: ~0.5 s)
+        assert len(roll) == 10 and len(during) == 5 and all(t[0] <= 2 for t in during), during  # its 2 choices
+        assert waited < 0.05, waited
+
+        async def unheld():
+            return await asyncio.gather(*(run_one(eng, f"u{i}", prompt(i), greedy) for i in range(8)))
+
+        assert asyncio.run(asyncio.wait_for(unheld(), 120)) == held
+    finally:
+        eng.stop()
 
 
 def pause_latencies(eng: InferenceEngine, burst: int, pushes: int = 5) -> list[float]:

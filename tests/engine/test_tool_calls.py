@@ -229,8 +229,18 @@ def test_config_keys_reach_inflight_serve():
     assert (args.chat_template, args.tool_call_parser) == ("chatml_tools", "hermes")
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="mistral")
-    with pytest.raises(ValueError, match="built-in engine's"):
-        ServerConfig(engine="vllm", chat_template="chatml_tools")
+    with pytest.raises(ValueError, match="engines builtin and vllm"):
+        ServerConfig(engine="sglang", chat_template="chatml_tools")
+    # vLLM's launcher takes both options too: our chat route over vLLM renders and parses
+    from inflight.engine.vllm_backend.backend import options as vllm_options
+    from inflight.engine.vllm_backend.launcher import add_arguments as vllm_arguments
+
+    argv = vllm_options(ServerConfig(engine="vllm", chat_template="chatml_tools", tool_call_parser="hermes"), False)
+    assert argv[-4:] == ["--chat-template", "chatml_tools", "--tool-call-parser", "hermes"]
+    p = argparse.ArgumentParser()
+    vllm_arguments(p)
+    args, rest = p.parse_known_args(["--model", "m", *argv])
+    assert (args.chat_template, args.tool_call_parser) == ("chatml_tools", "hermes") and "--chat-template" not in rest
 
 
 def test_serve_refuses_a_missing_template(tiny_model_dir, tmp_path):

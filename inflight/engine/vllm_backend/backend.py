@@ -8,10 +8,13 @@ from inflight.backends import InferenceBackend, register
 
 
 def options(s: Any, cuda: bool) -> list[str]:
-    """server.* as vLLM's engine arguments (parsed by vLLM: launcher.py). vLLM picks its device itself
+    """server.* as vLLM's engine arguments (parsed by vLLM: launcher.py), and the chat template and tool-call
+    parser our chat route over vLLM renders and reads replies with. vLLM picks its device itself
     (CUDA_VISIBLE_DEVICES is set per server) and its threads from OMP_NUM_THREADS, so no --device / --threads."""
     return ["--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_batch),
-            "--max-num-batched-tokens", str(s.max_tokens_per_step)]
+            "--max-num-batched-tokens", str(s.max_tokens_per_step),
+            *(["--chat-template", s.chat_template] if getattr(s, "chat_template", "") else []),
+            *(["--tool-call-parser", s.tool_call_parser] if getattr(s, "tool_call_parser", "auto") != "auto" else [])]
 
 
 BACKEND = register(InferenceBackend(

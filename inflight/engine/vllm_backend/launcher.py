@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None)
     p.add_argument("--allow-remote-admin", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--chat-template", default=None, help=(
+        "a Jinja file, or a template shipped with inflight by name (chatml_tools), replacing the model's own: our "
+        "chat route renders prompts with it"))
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes"],
+                   help="reads tool calls out of chat replies (auto: the one the chat template writes)")
     p.add_argument("--weight-staging", choices=("host", "device"), default="host", help=(
         "GPU workers: stage a broadcast update in pinned host memory, received through one bucket-sized GPU buffer "
         "(default), or on the GPU (a shorter pause; needs the model's size free: lower --gpu-memory-utilization)"))
@@ -67,7 +72,8 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
     return args
 
 
-def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool) -> Any:
+def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool,
+              tool_call_parser: str = "auto") -> Any:
     """inflight's app over vLLM: the built-in server's OpenAI and health routers over `engine`, its weight router
     over `receiver` (the workers), behind the same access rules (server.py)."""
     from inflight.engine.guards import Admission  # lazy: start-up cost (FastAPI, torch), not paid by `--help`
@@ -81,7 +87,7 @@ def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_a
     admission = Admission(engine.max_batch, None)
     app.state.receiver, app.state.admission = receiver, admission
     auth = Auth(api_key, allow_remote_admin)
-    app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch))
+    app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch, tool_call_parser=tool_call_parser))
     app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates)))
     # the receiver joins the group where the trainer says (no address check) and checks updates itself
     app.include_router(weights_router(receiver, auth, check_address=False))
@@ -99,19 +105,27 @@ async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     from vllm.usage.usage_lib import UsageContext  # lazy: vLLM is optional
     from vllm.v1.engine.async_llm import AsyncLLM  # lazy: vLLM is optional
 
+    from inflight.engine.chat_template import ChatTemplateError, read_chat_template  # lazy: start-up cost
     from inflight.engine.vllm_backend.engine import VLLMEngine  # lazy: start-up cost (torch, transformers)
     from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs  # lazy: start-up cost
 
     check_vllm_version(vllm.__version__)
+    try:  # before the model loads: a wrong path fails at once
+        template = read_chat_template(args.chat_template) if args.chat_template else None
+    except (ChatTemplateError, OSError) as e:
+        raise SystemExit(f"inflight serve --engine vllm --chat-template: {e}") from None
     llm = AsyncLLM.from_engine_args(engine_args(args.model, vllm_argv), usage_context=UsageContext.OPENAI_API_SERVER)
     engine = VLLMEngine(llm, args.model, model_name=args.served_model_name)
+    if template is not None:
+        engine.tokenizer.chat_template = template
     await llm.update_weight_version("0")
     info = (await llm.collective_rpc("inflight_model_info"))[0]
     receiver = VLLMWeightReceiver(engine, checkpoint_specs(args.model, info["dtype"], tied=info["tied"]),
                                   device=info["device"], staging=args.weight_staging, tied=info["tied"])
     log.info("vLLM %s engine up: %s, dtype %s on %s, max_model_len %d", vllm.__version__, engine.model_name,
              info["dtype"], info["device"], engine.max_model_len)
-    app = build_app(engine, receiver, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin)
+    app = build_app(engine, receiver, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin,
+                    tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             backlog=4096, timeout_keep_alive=30)
     await uvicorn.Server(config).serve()
