@@ -369,7 +369,7 @@ class InferenceEngine:
         if not self._waiting:
             return
         order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
-        low = sum(not s.done for s in self._running if s.req.params.priority > 0)
+        low = sum(s.req.params.priority > 0 for s in self._running) if self.low_priority_seqs else 0
         k = 0
         while k < len(order) and self._slots.available() >= order[k].params.n:
             req = order[k]
