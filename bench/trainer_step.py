@@ -1,18 +1,23 @@
 """One RL optimizer step of the CPU demo, timed and broken down (`bench/trainer.py --rl-step`; not a test).
 
     .venv/bin/python bench/trainer.py --rl-step [--lengths fixed|varied] [--baseline REV] [--steps 20] [--rounds 3]
+    .venv/bin/python bench/trainer.py --rl-step --model .cache/models/smollm2-135m-instruct --lora 8 --groups 1 \
+        --prompt-tokens 43 --baseline REV --steps 5    # `make demo-real`'s step: one informative group, LoRA
 
 The step the pipeline's trainer runs (inflight/pipeline/trainer_loop.py) on the demo workload: the tiny demo model
 (inflight.modelkit `make_model(size="tiny")`, arith tokenizer), 16 prompts x 8 samples, prompts of 10 tokens and
 completions of 12 (`fixed`) or 2..12 (`varied`, mean 7, like the demo once the model stops at EOS), the default
 grpo loss, micro-batch budget 4096 tokens, one thread: pack -> backward per micro-batch -> optimizer step.
+`--groups`, `--prompt-tokens` and `--lora RANK` (an adapter of that rank, alpha 2 x rank, on every linear layer)
+change the workload, e.g. to the real-model demo's (SmolLM2, 43-token chat prompts, the one or two groups per step
+that have a non-zero advantage).
 Times are CPU time of the measuring process (time.process_time), so the other work on a shared machine distorts
 them less than wall time.
 
 `--baseline REV` extracts the `inflight/` package of git revision REV (`git archive`, read-only) and times both codes
 in fresh processes, alternating (A B A B) to cancel drift; the ratio of the medians is the speed-up.
-The phase breakdown (pack, forward, logprobs, loss, backward, optimizer) runs the trainer's own functions one by
-one, as `SingleDeviceTrainer.backward` chains them.
+The phase breakdown (pack, forward with the logprobs, loss, backward, optimizer) runs the trainer's own functions
+one by one, as `SingleDeviceTrainer.backward` chains them.
 """
 
 from __future__ import annotations
@@ -29,20 +34,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("pack", "forward", "logprobs", "loss", "backward", "optimizer")
+PHASES = ("pack", "forward", "loss", "backward", "optimizer")
 
 
-def workload(vocab: int, lengths: str, seed: int = 0):
-    """128 samples (16 groups x 8) with group-mean advantages of 0/1 rewards and behaviour logprobs near the
-    current policy's (a ratio close to 1, as in a pipelined run)."""
+def workload(vocab: int, lengths: str, groups: int = 16, prompt_tokens: int = 10, seed: int = 0):
+    """groups x 8 samples with group-mean advantages of 0/1 rewards and behaviour logprobs near the current
+    policy's (a ratio close to 1, as in a pipelined run)."""
     from inflight.contracts import Sample
 
     rng = random.Random(seed)
     samples, adv = [], []
-    for g in range(16):
+    for g in range(groups):
         rewards = [float(rng.random() < 0.3) for _ in range(8)]
         mean = sum(rewards) / 8
-        prompt = [rng.randrange(3, vocab) for _ in range(10)]  # one prompt per group
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]  # one prompt per group
         for r in rewards:
             c = 12 if lengths == "fixed" else rng.randint(2, 12)
             samples.append(Sample(f"g{g}", list(prompt), [rng.randrange(3, vocab) for _ in range(c)],
@@ -51,13 +56,13 @@ def workload(vocab: int, lengths: str, seed: int = 0):
     return samples, adv
 
 
-def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -> dict:
+def child(model_dir: str, args, phases: bool) -> dict:
     """Runs inside a process whose sys.path starts with the code under test."""
     import torch
 
     from inflight.algo.losses import make_loss
     from inflight.config.algo import AlgoConfig
-    from inflight.config.trainer import TrainerConfig
+    from inflight.config.trainer import LoraConfig, TrainerConfig
     from inflight.trainer.packing import count_loss_tokens, pack_samples
     from inflight.trainer.single import SingleDeviceTrainer
 
@@ -68,9 +73,11 @@ def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -
     except ImportError:
         pass
     torch.set_num_threads(1)
-    trainer = SingleDeviceTrainer(model_dir, TrainerConfig(threads=1, micro_batch_tokens=4096))
+    lora = LoraConfig(rank=args.lora, alpha=2.0 * args.lora) if args.lora else None
+    trainer = SingleDeviceTrainer(model_dir, TrainerConfig(threads=1, micro_batch_tokens=4096, lora=lora))
     trainer.init()
-    samples, adv = workload(trainer.model.config.vocab_size, lengths)
+    samples, adv = workload(trainer.model.config.vocab_size, args.lengths, args.groups, args.prompt_tokens)
+    steps = args.steps
     loss_fn = make_loss(AlgoConfig())
     n_tok = count_loss_tokens(samples)
 
@@ -84,7 +91,7 @@ def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -
     for _ in range(3):
         micro = step()
     times = []
-    for _ in range(rounds):
+    for _ in range(args.rounds):
         t0 = time.process_time()
         for _ in range(steps):
             step()
@@ -97,10 +104,16 @@ def child(model_dir: str, lengths: str, steps: int, rounds: int, phases: bool) -
 
 
 def phase_times(trainer, samples, adv, loss_fn, n_tok: int, steps: int) -> dict[str, float]:
-    """CPU seconds per step of each phase, the trainer's functions called one by one."""
+    """CPU seconds per step of each phase, the trainer's functions called one by one ("forward": the model and its
+    token logprobs, as `SingleDeviceTrainer.backward` computes them in the code under test)."""
+    import inspect
+
     from inflight.trainer import single
-    from inflight.trainer.logprobs import packed_logits, token_logprobs
+    from inflight.trainer.logprobs import packed_token_logprobs
     from inflight.trainer.packing import pack_samples
+
+    trained_only = "trained_only" in inspect.signature(packed_token_logprobs).parameters
+    kwargs = {"trained_only": True} if trained_only else {}
 
     acc = dict.fromkeys(PHASES, 0.0)
     clock = time.process_time
@@ -111,15 +124,13 @@ def phase_times(trainer, samples, adv, loss_fn, n_tok: int, steps: int) -> dict[
         for mb in mbs:
             trainer.model.train()
             t = clock()
-            logits = packed_logits(trainer.model, mb, trainer.device)
+            lp, ent = packed_token_logprobs(trainer.model, mb, trainer.device, **kwargs)
             t1 = clock()
-            lp, ent = token_logprobs(logits, mb)
-            t2 = clock()
             loss, _ = single.run_loss(lp, ent, single.batch_to(mb, trainer.device), loss_fn)
-            t3 = clock()
+            t2 = clock()
             loss.backward()
-            t4 = clock()
-            for k, dt in zip(PHASES[1:5], (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
+            t3 = clock()
+            for k, dt in zip(PHASES[1:4], (t1 - t, t2 - t1, t3 - t2)):
                 acc[k] += dt
         t = clock()
         trainer.optimizer_step()
@@ -130,7 +141,8 @@ def phase_times(trainer, samples, adv, loss_fn, n_tok: int, steps: int) -> dict[
 def run_child(src: Path, model_dir: str, args, phases: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(src), "--model", model_dir,
-           "--lengths", args.lengths, "--steps", str(args.steps), "--rounds", "1"] + (["--phases"] if phases else [])
+           "--lengths", args.lengths, "--steps", str(args.steps), "--rounds", "1", "--groups", str(args.groups),
+           "--prompt-tokens", str(args.prompt_tokens), "--lora", str(args.lora)] + (["--phases"] if phases else [])
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"benchmark child failed ({src}):\n{res.stderr[-3000:]}")
@@ -144,12 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps per timed round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (one fresh process per side each)")
     ap.add_argument("--model", default="", help="an existing model folder (default: build the tiny demo model)")
+    ap.add_argument("--groups", type=int, default=16, help="groups of 8 samples per step")
+    ap.add_argument("--prompt-tokens", type=int, default=10, help="tokens of each group's prompt")
+    ap.add_argument("--lora", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--phases", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         sys.path.insert(0, args.child)
-        print(json.dumps(child(args.model, args.lengths, args.steps, args.rounds, args.phases)))
+        print(json.dumps(child(args.model, args, args.phases)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -172,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, src in sides.items():
                 runs[name].append(run_child(src, model_dir, args, phases=r == 0))
         first = runs["current"][0]
-        print(f"RL step: {first['params'] / 1e6:.2f}M params, 128 samples ({args.lengths} lengths), "
+        print(f"RL step: {first['params'] / 1e6:.2f}M params{f' (LoRA rank {args.lora})' if args.lora else ''}, "
+              f"{8 * args.groups} samples ({args.lengths} lengths, {args.prompt_tokens}-token prompts), "
               f"{first['tokens']} tokens ({first['loss_tokens']} trained), {first['micro_batches']} micro-batch(es), "
               f"1 thread, CPU s per step: median of {args.rounds} processes x {args.steps} steps")
         print(f"{'code':<22}{'step s':>9}{'(min-max)':>16}" + "".join(f"{p:>10}" for p in PHASES))

@@ -328,7 +328,8 @@ class TrainBatch:
 
 
 class LossFn(Protocol):
-    """An RL objective: per-token new logprobs [T] (with grad) and the batch -> (scalar loss, stats).
+    """An RL objective: per-token new logprobs [T] (with grad) and the batch -> (scalar loss, stats). The trainers
+    compute them on the trained tokens (batch.loss_mask > 0); the other tokens may hold 0.
     `entropy` is the per-token policy entropy [T] when the loss asked for it, else None."""
 
     needs_entropy: bool

@@ -147,8 +147,9 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, rows, targets, lse, ent = ctx.saved_tensors
         acc, t = lse.dtype, ctx.temperature
-        d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        want_hidden, want_weight = ctx.needs_input_grad[:2]  # a frozen head (LoRA): no [V, H] gradient at all
+        d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_hidden else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, rows.shape[0], ctx.chunk):
                 b = min(a + ctx.chunk, rows.shape[0])
@@ -164,6 +165,9 @@ class _ChunkedHead(torch.autograd.Function):
                 dz = p.mul_(coef).neg_()
                 dz.scatter_add_(1, targets[a:b, None], g)
                 dz = dz.div_(t).to(weight.dtype)
-                d_hidden.index_add_(0, rows[a:b], (dz @ weight).to(acc))
-                d_weight += (dz.T @ h).to(acc)
-        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None
+                if d_hidden is not None:
+                    d_hidden.index_add_(0, rows[a:b], (dz @ weight).to(acc))
+                if d_weight is not None:
+                    d_weight += (dz.T @ h).to(acc)
+        return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None, None)

@@ -92,11 +92,14 @@ def packed_logits(model: torch.nn.Module, batch: TrainBatch, device: torch.devic
 
 
 def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, device: torch.device | str,
-                          share_prompts: bool = True, need_entropy: bool = False, chunk_elems: int = CHUNK_ELEMS
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          share_prompts: bool = True, need_entropy: bool = False, chunk_elems: int = CHUNK_ELEMS,
+                          trained_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of the micro-batch under the model. With the chunked head installed (head.py) they come
     from the final hidden states a chunk of tokens at a time, and no [T, V] logits exist; otherwise from the
-    model's logits. Call it inside the trainer's autocast: the head runs in autocast's dtype."""
+    model's logits. Call it inside the trainer's autocast: the head runs in autocast's dtype.
+    `trained_only`: with the chunked head, only the tokens the loss trains (batch.loss_mask > 0) go through the
+    head, the rest are 0: a group's prompt predicts its own tokens once per sample, and those rows are most of
+    the head's work (SmolLM2's 49k-vocabulary head on the real demo's steps: ~4.8x the rows it needs)."""
     if not head.installed(model):
         logits = packed_logits(model, batch, device, share_prompts)
         with torch.autocast(torch.device(device).type, enabled=False):  # float32 from the logits, as always
@@ -105,6 +108,8 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, device: tor
     n = batch.input_ids.shape[0]
     pos = batch.position_ids
     tokens = torch.nonzero(pos[1:] != 0)[:, 0] + 1  # tokens something predicts: not a sample's first
+    if trained_only and bool((batch.loss_mask > 0).any()):  # (none trained: all, so the graph still has the head)
+        tokens = torch.nonzero(batch.loss_mask > 0)[:, 0]  # loss_mask is 0 on every sample's first token
     rows = tokens - 1
     rows = rows.to(device) if back is None else back.index_select(0, rows.to(back.device))
     request = head.HeadRequest(rows.to(device), batch.input_ids[tokens].to(device), batch.temperature, need_entropy,

@@ -163,7 +163,8 @@ class SingleDeviceTrainer:
         model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
         need_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         with autocast(self.cfg, self.device):
-            lp, ent = packed_token_logprobs(model, batch, self.device, self.share_prompts, need_entropy)
+            lp, ent = packed_token_logprobs(model, batch, self.device, self.share_prompts, need_entropy,
+                                            trained_only=True)
         loss, stats = run_loss(lp, ent, batch_to(batch, self.device), loss_fn)
         loss.backward()
         return stats

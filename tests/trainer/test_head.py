@@ -188,3 +188,50 @@ def test_batches_cover_the_three_layouts():
     assert not uniform(packed) and shared_layout(packed, "cpu") is None
     assert shared_layout(shared, "cpu") is not None
     assert uniform(same) and len(same.seq_lens) > 1
+
+
+def test_frozen_head_weight_gets_no_gradient_work():
+    """A frozen head (LoRA trains adapters only): the hidden states' gradient equals the float64 reference and the
+    backward makes no [V, H] tensor (the unfrozen head does: the check can fail)."""
+    hidden, weight, rows, targets, w_lp, w_ent = _case(3)
+    v, h_dim = weight.shape
+    ref = _grads(lambda h, w: _reference(h, w, rows, targets, 0.9), hidden, weight, w_lp, w_ent)
+    for frozen in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(not frozen)
+        lp, ent = head.head_logprobs(h, w, rows, targets, 0.9, True, 5 * v)
+        with _LogitShapes(h_dim) as seen:  # outputs whose last dimension is H: [V, H] is the weight's gradient
+            ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        torch.testing.assert_close(h.grad, ref[2], atol=1e-12, rtol=1e-10)
+        assert (max(seen.rows) >= v) != frozen, seen.rows
+        assert (w.grad is None) == frozen
+
+
+def test_trained_only_equals_all_tokens_where_the_loss_trains(tiny_model_dir, tied_model_dir):
+    """`trained_only` (the trainers' backward): the head runs on the trained tokens only (fewer rows than the
+    tokens the batch predicts, prompts included); their logprobs and every parameter's gradient of a loss over
+    them equal the all-tokens path's in float64, and the other tokens hold 0."""
+    for model_dir in (tiny_model_dir, tied_model_dir):
+        model = _model(model_dir, torch.float64)
+        assert head.install(model)
+        vocab = model.config.vocab_size
+        for batch in _batches(vocab):
+            trained = batch.loss_mask > 0
+            g = torch.Generator().manual_seed(len(batch.seq_lens))
+            w_lp, w_ent = (torch.randn(batch.input_ids.shape[0], generator=g, dtype=torch.float64) * trained
+                           for _ in range(2))
+            results = []
+            for only in (False, True):
+                model.zero_grad(set_to_none=True)
+                with _LogitShapes(vocab) as seen:
+                    lp, ent = packed_token_logprobs(model, batch, "cpu", need_entropy=True, chunk_elems=10**6,
+                                                    trained_only=only)
+                ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                results.append((lp.detach(), ent.detach(), grads, max(seen.rows)))
+            (lp0, ent0, g0, rows0), (lp1, ent1, g1, rows1) = results
+            assert rows1 == int(trained.sum()) < rows0
+            torch.testing.assert_close(lp1[trained], lp0[trained], atol=1e-12, rtol=0)
+            torch.testing.assert_close(ent1[trained], ent0[trained], atol=1e-12, rtol=0)
+            assert not lp1[~trained].any() and not ent1[~trained].any()
+            for n in g0:
+                torch.testing.assert_close(g1[n], g0[n], atol=1e-11, rtol=1e-9, msg=n)
