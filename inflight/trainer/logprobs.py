@@ -107,9 +107,11 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, device: tor
     kwargs, packed, back = _plan(model, batch, device, share_prompts)
     n = batch.input_ids.shape[0]
     pos = batch.position_ids
-    tokens = torch.nonzero(pos[1:] != 0)[:, 0] + 1  # tokens something predicts: not a sample's first
-    if trained_only and bool((batch.loss_mask > 0).any()):  # (none trained: all, so the graph still has the head)
-        tokens = torch.nonzero(batch.loss_mask > 0)[:, 0]  # loss_mask is 0 on every sample's first token
+    predicted = pos != 0  # tokens something predicts: not a sample's first (position 0)
+    predicted[:1] = False
+    if trained_only and bool((batch.loss_mask[predicted] > 0).any()):  # none trained: all, so the graph has the head
+        predicted &= batch.loss_mask > 0
+    tokens = torch.nonzero(predicted)[:, 0]
     rows = tokens - 1
     rows = rows.to(device) if back is None else back.index_select(0, rows.to(back.device))
     request = head.HeadRequest(rows.to(device), batch.input_ids[tokens].to(device), batch.temperature, need_entropy,
