@@ -109,7 +109,7 @@ def packed_token_logprobs(model: torch.nn.Module, batch: TrainBatch, device: tor
     pos = batch.position_ids
     predicted = pos != 0  # tokens something predicts: not a sample's first (position 0)
     predicted[:1] = False
-    if trained_only and bool((batch.loss_mask[predicted] > 0).any()):  # none trained: all, so the graph has the head
+    if trained_only:  # none trained: an empty request, which still keeps the head and the body in the graph
         predicted &= batch.loss_mask > 0
     tokens = torch.nonzero(predicted)[:, 0]
     rows = tokens - 1
