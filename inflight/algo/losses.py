@@ -12,6 +12,9 @@ Policy terms ℓ_t (sg = stop-gradient):
     decoupled_ppo  −b · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A),  u = π/π_prox,  b = π_prox/μ;  where b >
                    behaviour_cap the token is dropped (mode `mask`) or b = behaviour_cap (mode `clamp`)
     aipo           −sg(min(π/μ, ρ)) · A · log π,  ρ = aipo_rho
+  grpo and aipo take π/μ per token (is_level `token`: the token's own ratio) or per sequence (`sequence`: the
+  product of the ratios of the sample's trained tokens, on each of them). The token ratio corrects which token was
+  drawn but not the prefix it was drawn after; the sequence ratio corrects both (unbiased, at more variance).
   + kl_coef · min(exp(ref − log π) − (ref − log π) − 1, kl_clamp)    (k3 estimate of KL(π‖ref), needs ref_logprobs)
   − entropy_coef · H_t                                                (entropy bonus; the loss then needs_entropy)
 
@@ -44,6 +47,7 @@ from inflight.config.algo import AlgoConfig
 from inflight.contracts import LossFn, TrainBatch
 
 NORMALIZATIONS = ("sequences", "tokens", "sequence_length")
+IS_LEVELS = ("token", "sequence")
 BEHAVIOUR_CAP_MODES = ("mask", "clamp")
 
 
@@ -70,21 +74,26 @@ def ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: f
     return -torch.where(clipped, bound * adv, ratio * adv), clipped
 
 
-def grpo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+def capped_weight(log_w: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(log_w), cap) without overflow (a sequence's log ratio can be large), no grad."""
+    return torch.exp(log_w.detach().clamp(max=math.log(cap) if math.isfinite(cap) else 80.0)).clamp(max=cap)
+
+
+def grpo(logp, mu, prox, adv, cfg: AlgoConfig, log_w) -> PolicyTerm:
     """ℓ = −A · w · log π,  w = sg(clamp(π/μ, 0, c)), c = is_cap; c = inf: w = π/μ; c = 0: w = 1 (no IS).
     ∂ℓ/∂log π = −A·w."""
-    w = torch.ones_like(logp) if cfg.is_cap == 0 else torch.exp(logp - mu).detach().clamp(max=cfg.is_cap)
+    w = torch.ones_like(logp) if cfg.is_cap == 0 else capped_weight(log_w, cfg.is_cap)
     return PolicyTerm(-adv * w * logp, w, _none(logp), _none(logp))
 
 
-def ppo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+def ppo(logp, mu, prox, adv, cfg: AlgoConfig, log_w) -> PolicyTerm:
     """ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A),  r = π/μ.  ∂ℓ/∂log π = −A·r unclipped, 0 clipped."""
     ratio = torch.exp(logp - mu)
     loss, clipped = ppo_clip(ratio, adv, cfg.clip_low, cfg.clip_high)
     return PolicyTerm(loss, ratio.detach(), clipped, _none(logp))
 
 
-def decoupled_ppo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+def decoupled_ppo(logp, mu, prox, adv, cfg: AlgoConfig, log_w) -> PolicyTerm:
     """ℓ = −b · min(u·A, clip(u, 1−ε_low, 1+ε_high)·A),  u = π/π_prox,  b = π_prox/μ (no grad), with b >
     behaviour_cap dropped (`mask`) or set to the cap (`clamp`).  ∂ℓ/∂log π = −b·A·u unclipped, 0 clipped."""
     b = torch.exp(prox - mu).detach()
@@ -97,9 +106,9 @@ def decoupled_ppo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
     return PolicyTerm(b * loss, b, clipped, dropped)
 
 
-def aipo(logp, mu, prox, adv, cfg: AlgoConfig) -> PolicyTerm:
+def aipo(logp, mu, prox, adv, cfg: AlgoConfig, log_w) -> PolicyTerm:
     """ℓ = −sg(min(π/μ, ρ)) · A · log π,  ρ = aipo_rho.  ∂ℓ/∂log π = −A·min(π/μ, ρ)."""
-    w = torch.exp(logp - mu).detach().clamp(max=cfg.aipo_rho)
+    w = capped_weight(log_w, cfg.aipo_rho)
     return PolicyTerm(-w * adv * logp, w, _none(logp), _none(logp))
 
 
@@ -130,6 +139,9 @@ def _check_cfg(cfg: AlgoConfig) -> None:
         raise ValueError(f"unknown algo.loss {cfg.loss!r}; choose one of {sorted(LOSSES)}")
     if cfg.normalization not in NORMALIZATIONS:
         raise ValueError(f"unknown algo.normalization {cfg.normalization!r}; choose one of {list(NORMALIZATIONS)}")
+    if cfg.is_level not in IS_LEVELS or (cfg.is_level != "token" and cfg.loss not in ("grpo", "aipo")):
+        raise ValueError(f"algo.is_level must be one of {list(IS_LEVELS)} (sequence: grpo and aipo only), got "
+                         f"{cfg.is_level!r} with algo.loss={cfg.loss!r}")
     if cfg.behaviour_cap_mode not in BEHAVIOUR_CAP_MODES:
         raise ValueError(f"unknown algo.behaviour_cap_mode {cfg.behaviour_cap_mode!r}; choose mask or clamp")
     for name in ("is_cap", "clip_low", "clip_high", "kl_coef", "kl_clamp", "entropy_coef"):
@@ -193,7 +205,11 @@ class PolicyLoss:
 
         logp, mu, adv = trained(logprobs), trained(batch.behaviour_logprobs), trained(batch.advantages)
         prox, ref, ent = (None if x is None else trained(x) for x in (batch.prox_logprobs, batch.ref_logprobs, entropy))
-        pg = self.term(logp, mu, prox, adv, cfg)
+        log_w = (logp - mu).detach()  # log π/μ per token; 0 where untrained
+        if cfg.is_level == "sequence":
+            per_sample = log_w.new_zeros(len(batch.seq_lens)).index_add(0, batch.sample_index, log_w)
+            log_w = per_sample[batch.sample_index]
+        pg = self.term(logp, mu, prox, adv, cfg, log_w)
         keep = m & ~pg.dropped
         per_token = torch.where(keep, pg.loss, torch.zeros_like(pg.loss))
         kl = kl_k3(logp, ref, cfg.kl_clamp) * mf if ref is not None else None

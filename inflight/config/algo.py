@@ -9,6 +9,7 @@ class AlgoConfig:
     std_eps: float = 1e-6
     normalization: str = "sequences"  # sequences | tokens | sequence_length
     is_cap: float = 5.0  # grpo: truncated importance weight cap c (inf = untruncated pi/mu, 0 = no weight)
+    is_level: str = "token"  # grpo / aipo: the weight of a token is its own pi/mu (token) or its sample's (sequence)
     clip_low: float = 0.2  # ppo / decoupled_ppo epsilon
     clip_high: float = 0.2
     behaviour_cap: float = 5.0  # decoupled_ppo: cap of pi_prox / mu

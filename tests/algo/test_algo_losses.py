@@ -54,6 +54,10 @@ def reference(cfg: AlgoConfig, b: TrainBatch, logp, entropy):
     term, grad = [0.0] * T, [0.0] * T
     ratios, weights, clipped, masked, kls, ents = [], [], 0, 0, [], []
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    seq_log_ratio = [0.0] * len(b.seq_lens)  # is_level sequence: log of the product of a sample's trained ratios
+    for t in range(T):
+        if mask[t]:
+            seq_log_ratio[sidx[t]] += lp[t] - mu[t]
     for t in range(T):
         if mask[t] == 0:
             continue
@@ -61,7 +65,8 @@ def reference(cfg: AlgoConfig, b: TrainBatch, logp, entropy):
         ratios.append(math.exp(x - mu[t]))
         if cfg.loss in ("grpo", "aipo"):
             cap = cfg.is_cap if cfg.loss == "grpo" else cfg.aipo_rho
-            w = 1.0 if (cfg.loss == "grpo" and cap == 0) else min(math.exp(x - mu[t]), cap)
+            log_ratio = seq_log_ratio[sidx[t]] if cfg.is_level == "sequence" else x - mu[t]
+            w = 1.0 if (cfg.loss == "grpo" and cap == 0) else min(math.exp(log_ratio), cap)
             term[t], grad[t] = -A * w * x, -A * w
         else:
             if cfg.loss == "ppo":
@@ -136,7 +141,10 @@ CONFIGS = [
     dict(loss="ppo", clip_low=0.1, clip_high=0.28, kl_coef=0.1),
     dict(loss="decoupled_ppo", behaviour_cap=1.5, behaviour_cap_mode="mask"),
     dict(loss="decoupled_ppo", behaviour_cap=1.5, behaviour_cap_mode="clamp", entropy_coef=0.05),
+    dict(loss="grpo", is_level="sequence"),
+    dict(loss="grpo", is_level="sequence", is_cap=INF),
     dict(loss="aipo", aipo_rho=1.3),
+    dict(loss="aipo", aipo_rho=1.3, is_level="sequence"),
     dict(loss="aipo", aipo_rho=4.0, kl_coef=1.0, kl_clamp=2.0),
 ]
 
@@ -152,6 +160,9 @@ def test_loss_and_grad_match_reference(kw, normalization):
         assert 0 < stats["clip_frac"] < 1
     if cfg.loss == "decoupled_ppo":
         assert 0 < stats["masked"] or cfg.behaviour_cap_mode == "clamp"
+    if cfg.is_level == "sequence":  # some samples' products pass the cap, some stay under it
+        tok = AlgoConfig(**{**kw, "is_level": "token"}, normalization=normalization)
+        assert stats["ess"] != pytest.approx(check(tok, batch, logp, ent)["ess"])
     assert make_loss(cfg).needs_entropy == (cfg.entropy_coef > 0)
 
 
@@ -305,7 +316,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="whole step"):
         make_loss(AlgoConfig(normalization="sequences"))(logp, batch, None)
     for bad in [dict(loss="dapo"), dict(normalization="batch"), dict(behaviour_cap_mode="drop"), dict(is_cap=-1.0),
-                dict(aipo_rho=0.0)]:
+                dict(aipo_rho=0.0), dict(is_level="sample"), dict(is_level="sequence", loss="ppo")]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             make_loss(AlgoConfig(**bad))
 
