@@ -14,6 +14,9 @@ the spread holds each system's own learning noise. Every run's steps and evaluat
 `--preset smollm2` runs the real pretrained model instead, each system as configs/cpu-smollm2.yaml sets inflight:
 4 prompts x 8 samples per step, 24 new tokens, temperature 0.7, lr 2e-5, the calculator system prompt through the
 model's chat template, last-number answers, 100 held-out problems (bench/peers/arith_eval.py PRESETS).
+`--preset smollm2-lora` trains a LoRA adapter in both (rank 8, alpha 16, every linear layer but the head; TRL through
+PEFT), lr 2e-4 constant: `make demo-real`'s recipe. FLOPs then still count 6 N per trained token (an upper bound:
+the base's weight gradients are skipped in both).
 
 A system is `trl`, `pipelined` or `sync`, optionally with settings after colons: `trl:2` runs TRL on 2 torch
 threads (default --trl-threads), `pipelined:actor.max_lag=2` adds that override to inflight's command line.
@@ -73,16 +76,18 @@ def sh(cmd: list[str], **kw) -> None:
 
 def setup_trl() -> None:
     """TRL in its own venv on the local CPU torch wheel (any other torch would download a CUDA build)."""
-    if TRL_PY.exists():
-        return
     import torch
     import transformers
 
-    sh(["python3", "-m", "venv", str(CACHE / "trl")])
     pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
+    if TRL_PY.exists():
+        if subprocess.run([str(TRL_PY), "-c", "import peft"], capture_output=True).returncode:  # older venvs
+            sh(pip + ["peft", f"torch=={torch.__version__.split('+')[0]}"])
+        return
+    sh(["python3", "-m", "venv", str(CACHE / "trl")])
     sh(pip + [f"torch=={torch.__version__.split('+')[0]}"])
-    sh(pip + ["trl", f"transformers=={transformers.__version__}", "pydantic", "httpx",  # inflight.tasks imports it
-              f"torch=={torch.__version__.split('+')[0]}"])
+    sh(pip + ["trl", "peft", f"transformers=={transformers.__version__}", "pydantic", "httpx",  # inflight.tasks
+              f"torch=={torch.__version__.split('+')[0]}"])  # imports pydantic; peft: the smollm2-lora preset
 
 
 def setup_model(model: Path, size: str = "tiny") -> None:
@@ -281,7 +286,7 @@ def main() -> None:
     args.lr = args.lr if args.lr is not None else preset["lr"]
     if args.setup:
         setup_trl()
-        if args.preset == "smollm2":
+        if args.preset.startswith("smollm2"):
             sh([str(Path(PY).parent / "inflight"), "get-model", "smollm2-135m-instruct", str(args.model)])
         else:
             setup_model(args.model, args.size)

@@ -32,6 +32,9 @@ PRESETS = {
                     config="configs/cpu-smollm2.yaml", sync_config="configs/cpu-smollm2.yaml",
                     task_overrides=["trainer.lora=null", "trainer.schedule=constant"]),  # full FT at one lr, as TRL
 }
+# the same with configs/cpu-smollm2.yaml's adapter (rank 8, alpha 16, every linear layer but the head) at its lr
+PRESETS["smollm2-lora"] = dict(PRESETS["smollm2"], lr=2e-4, lora=dict(rank=8, alpha=16),
+                               task_overrides=["trainer.schedule=constant"])
 
 
 def arith_task(preset: str = "tiny"):
@@ -56,8 +59,18 @@ def main() -> None:
         preset, args = args[1], args[2:]
     task = arith_task(preset)
     for path in args:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        print(greedy_accuracy(model, AutoTokenizer.from_pretrained(path), task, PRESETS[preset]["max_new_tokens"]),
+        tok_from = path
+        if (Path(path) / "adapter_config.json").exists():  # an inflight LoRA checkpoint: merged into its base
+            from peft import PeftModel
+
+            from inflight.trainer.lora_export import base_of
+
+            tok_from = base_of(path)
+            model = AutoModelForCausalLM.from_pretrained(tok_from, dtype=torch.float32)
+            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        print(greedy_accuracy(model, AutoTokenizer.from_pretrained(tok_from), task, PRESETS[preset]["max_new_tokens"]),
               flush=True)
 
 

@@ -4,7 +4,8 @@
 
 Settings matched to inflight's config of the preset (arith_eval.PRESETS; `tiny`: configs/cpu-demo.yaml, 16 prompts
 x 8 samples per optimizer step, max 12 new tokens, temperature 1; `smollm2`: configs/cpu-smollm2.yaml, 4 x 8, 24
-new tokens, temperature 0.7, system prompt, last-number answers): lr (--lr) constant, AdamW
+new tokens, temperature 0.7, system prompt, last-number answers; `smollm2-lora`: the same with a PEFT LoRA adapter
+as inflight's, rank 8, alpha 16, every linear layer but the head): lr (--lr) constant, AdamW
 (betas 0.9/0.999, no weight decay), advantage = reward - group mean (no std
 scaling), no KL, one gradient step per generation (on-policy). Loss normalisation: TRL's `dr_grpo` divides the
 token sum by batch x max_completion_length, inflight's `sequences` by batch only, i.e. a constant factor L (the new
@@ -118,8 +119,14 @@ def main() -> None:
         bf16=False, dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # TRL's default is True: it only recomputes activations on these models
     )
+    peft_config = None
+    if "lora" in preset:  # PEFT's LoRA as inflight's trainer.lora builds it: every linear layer but the head
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=preset["lora"]["rank"], lora_alpha=preset["lora"]["alpha"], lora_dropout=0.0,
+                                 target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(prompts),
-                          processing_class=tok, callbacks=[Clock()])
+                          processing_class=tok, callbacks=[Clock()], peft_config=peft_config)
     trainer.train()
     out.close()
 
