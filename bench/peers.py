@@ -80,14 +80,15 @@ def setup_trl() -> None:
     import transformers
 
     pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
     if TRL_PY.exists():
         if subprocess.run([str(TRL_PY), "-c", "import peft"], capture_output=True).returncode:  # older venvs
-            sh(pip + ["peft", f"torch=={torch.__version__.split('+')[0]}"])
+            sh(pip + ["peft", torch_pin])
         return
     sh(["python3", "-m", "venv", str(CACHE / "trl")])
-    sh(pip + [f"torch=={torch.__version__.split('+')[0]}"])
+    sh(pip + [torch_pin])
     sh(pip + ["trl", "peft", f"transformers=={transformers.__version__}", "pydantic", "httpx",  # inflight.tasks
-              f"torch=={torch.__version__.split('+')[0]}"])  # imports pydantic; peft: the smollm2-lora preset
+              torch_pin])  # imports pydantic; peft: the smollm2-lora preset
 
 
 def setup_model(model: Path, size: str = "tiny") -> None:

@@ -61,13 +61,9 @@ def main() -> None:
     for path in args:
         tok_from = path
         if (Path(path) / "adapter_config.json").exists():  # an inflight LoRA checkpoint: merged into its base
-            from peft import PeftModel
+            from inflight.trainer.lora_export import base_of, merged_model
 
-            from inflight.trainer.lora_export import base_of
-
-            tok_from = base_of(path)
-            model = AutoModelForCausalLM.from_pretrained(tok_from, dtype=torch.float32)
-            model = PeftModel.from_pretrained(model, path).merge_and_unload()
+            tok_from, model = base_of(path), merged_model(path)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         print(greedy_accuracy(model, AutoTokenizer.from_pretrained(tok_from), task, PRESETS[preset]["max_new_tokens"]),

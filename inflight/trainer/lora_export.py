@@ -30,14 +30,21 @@ def base_of(ckpt: str | Path, base: str | None = None) -> str:
     return str(base)
 
 
-def export_merged(ckpt: str | Path, out: str | Path, base: str | None = None) -> Path:
-    """Write the merged model (float32, the trainer's precision) and the tokenizer to `out`; returns it."""
+def merged_model(ckpt: str | Path, base: str | None = None):
+    """The adapter of `ckpt` merged into its base, in memory (float32, the trainer's precision)."""
     from peft import PeftModel  # lazy: ~4 s to import; `inflight export-merged --help` answers without it
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: as peft (the CLI imports this module)
+    from transformers import AutoModelForCausalLM  # lazy: as peft (the CLI imports this module)
+
+    model = AutoModelForCausalLM.from_pretrained(base_of(ckpt, base), dtype=torch.float32)
+    return PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
+
+
+def export_merged(ckpt: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """Write the merged model and the tokenizer to `out`; returns it."""
+    from transformers import AutoTokenizer
 
     base = base_of(ckpt, base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
+    merged = merged_model(ckpt, base)
     out = Path(out)
     merged.save_pretrained(out)
     tok_from = ckpt if (Path(ckpt) / "tokenizer_config.json").exists() else base
