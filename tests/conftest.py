@@ -19,6 +19,25 @@ from tests.signals import kept_signal_handlers
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# `make test` runs the suite on pytest-xdist workers, a test file to a worker at a time; the folders here share one
+# fixture across their files (tests/ray: one Ray cluster, stopped after the folder's last test, and Ray's ports),
+# so all of a folder's files go to one worker, one after another.
+ONE_WORKER_FOLDERS = ("tests/ray/",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with each of ONE_WORKER_FOLDERS one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # lazy: only under xdist
+
+    class FileOrFolder(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((f for f in ONE_WORKER_FOLDERS if nodeid.startswith(f)), super()._split_scope(nodeid))
+
+    return FileOrFolder(config, log)
+
+
 def _build_tiny_model(out: Path, tied: bool = False) -> Path:
     """A 'Qwen2-style' tiny LM (llama architecture, untied head unless `tied`) + char-level tokenizer with a chat
     template."""

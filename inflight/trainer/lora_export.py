@@ -41,7 +41,7 @@ def merged_model(ckpt: str | Path, base: str | None = None):
 
 def export_merged(ckpt: str | Path, out: str | Path, base: str | None = None) -> Path:
     """Write the merged model and the tokenizer to `out`; returns it."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: as merged_model's imports
 
     base = base_of(ckpt, base)
     merged = merged_model(ckpt, base)

@@ -97,7 +97,9 @@ def test_role_cpu_samples_the_roles_and_counts_cpu_per_step(tmp_path):
     samples = json.loads((tmp_path / "sync-4-sync-0.cpu.json").read_text())
     for role in busy:  # and kept after it exited
         assert 0.3 <= samples[-1][1][role] - samples[0][1][role] <= 0.6
-        assert 0.15 <= samples[-1][2][role] - samples[0][2][role] <= 0.8  # queued behind the other
+        # queued behind the other (longer when other work shares the core: the suite runs on two workers); in
+        # seconds, not the kernel's nanoseconds
+        assert 0.15 <= samples[-1][2][role] - samples[0][2][role] <= 3.0
     # 5 steps 0.5 s apart; two samples inside the span after step 1, 1.0 s apart, 0.4 CPU s: 2 steps/s -> 0.2 s/step
     steps = [{"event": "train_step", "time": 100.0 + 0.5 * i} for i in range(5)]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in steps))
