@@ -10,8 +10,8 @@ For each backend (the built-in server; the vLLM backend when --vllm-python is gi
 streaming generation in flight. The trainer side (this process) pushes new weights with WeightSyncClient over each
 transport in turn, `--pushes` times each: the gloo process group with one broadcast per tensor (`per_tensor`) and
 with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safetensors file under /dev/shm (`file`),
-and the shared-memory segment (`shm`: two segments lent in turn, the built-in engine computing from the last;
-`shm_copy`: one segment, copied by the server). Per push it records: the push's wall time (announce + transfer + the server's
+and the shared-memory segment (`shm`: two segments lent in turn; `shm_copy`: one segment; the server copies
+either). Per push it records: the push's wall time (announce + transfer + the server's
 answer; for shm also its first part, the trainer writing the segment), the server's own paused seconds, and the time
 until the streaming request's first token tagged with the new version arrives ("until generating"); pushes are
 `--gap-s` apart, as between optimizer steps (`--idle`: no generation in flight, no "until generating"). The baseline is a memory copy of the same bytes in this process into

@@ -34,6 +34,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_GROUP_TIMEOUT_S = 600.0  # the most a process group's rendezvous or broadcast may wait
+MAX_VERSION = 2**63 - 1  # versions travel as i64 (shm and ipc headers)
+
+
 class InitProcessGroupRequest(_Strict):
     """Join the weight-update process group. Rank 0 (the trainer) hosts a TCPStore at master_address:master_port;
     each member builds the group directly on that store, no key prefix, separate from any default group."""
@@ -44,7 +48,9 @@ class InitProcessGroupRequest(_Strict):
     world_size: int = Field(ge=2)
     backend: Literal["gloo", "nccl"] = "gloo"
     group_name: str = "inflight_weights"
-    timeout_s: float = Field(default=600.0, gt=0)
+    # the rendezvous and every broadcast of the group wait at most this long: bounded, so no request can make a
+    # server wait on a group for longer (docs/inference-contract.md)
+    timeout_s: float = Field(default=MAX_GROUP_TIMEOUT_S, gt=0, le=MAX_GROUP_TIMEOUT_S)
 
 
 class ParamInfo(_Strict):
@@ -61,8 +67,8 @@ class ShmSegment(_Strict):
 
     path: str = Field(min_length=1)
     bytes: int = Field(gt=0, le=2**44)
-    # the trainer leaves these bytes as they are until the server has answered its next update: the server may
-    # compute straight from the segment instead of copying it (docs/inference-contract.md, "Lent segments")
+    # the trainer promises to leave these bytes as they are until the server has answered its next update; servers
+    # copy the segment all the same (it stays writable: docs/inference-contract.md, "Lent segments")
     lend: bool = False
 
 
@@ -146,7 +152,11 @@ class WeightUpdateRequest(_Strict):
     segment on the server's host), or `path` (a safetensors file readable on the server's host, e.g. under
     /dev/shm)."""
 
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_VERSION, description=(
+        "never lower than the version the server holds (409), unless `new_run`"))
+    new_run: bool = Field(default=False, description=(
+        "the first update of a trainer (a new run, or one resumed from an older checkpoint): its version may be "
+        "lower than the one served"))
     params: list[ParamInfo] | None = None
     path: str | None = None
     shm: ShmSegment | None = None

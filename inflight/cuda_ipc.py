@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 import re
 import stat
@@ -38,6 +39,7 @@ import torch
 from inflight.contracts import IpcBuffer
 from inflight.shm_weights import TORCH_DTYPES, _map_owned, tensor_at
 
+log = logging.getLogger("inflight.engine.weights")
 IPC_MAGIC = b"INFLWIPC"
 IPC_HEADER_BYTES = 256  # the data starts 256-byte aligned (shm_layout aligns each tensor to 64)
 _HEADER = struct.Struct("<8sqQ32s")  # magic, version, data bytes, digest
@@ -109,14 +111,7 @@ def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device, device_u
                            "its buffer from the server's device")
         if not ipc.path or not os.path.isabs(ipc.path):
             raise IpcError(f"ipc path must be absolute: {ipc.path!r}")
-        try:
-            st = os.stat(ipc.path)
-        except OSError as e:
-            raise IpcError(f"cannot read ipc buffer {ipc.path!r} on this server's host: {e.strerror}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise IpcError(f"ipc buffer {ipc.path!r} is not a regular file")
-        if st.st_size != ipc.bytes:
-            raise IpcError(f"ipc buffer {ipc.path!r} has {st.st_size} bytes, the announcement says {ipc.bytes}")
+        _check_cpu_file(ipc.path, ipc.bytes)
         return
     if device.type != "cuda":
         raise IpcError("a cuda ipc buffer for a server on the CPU: cuda_ipc needs the server on the trainer's GPU")
@@ -137,6 +132,24 @@ def check_handle(ipc: IpcBuffer, data_bytes: int, device: torch.device, device_u
     if ipc.bytes > ipc.storage_bytes:  # the buffer starts at the storage (export_buffer)
         raise IpcError(f"ipc handle: a storage of {ipc.storage_bytes} bytes cannot hold the buffer's {ipc.bytes} "
                        "bytes")
+
+
+def _check_cpu_file(path: str, size: int) -> None:
+    """The CPU stand-in's file: a regular file of `size` bytes starting with the magic. One message whatever is
+    wrong (the reason is logged): a client may not learn which files exist on the server's host, or their size."""
+    try:  # opened without blocking and checked on the descriptor: a FIFO or a device is never read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"{st.st_size} bytes" if st.st_size != size else
+                   "bad magic (being written, or not a buffer)" if f.read(len(IPC_MAGIC)) != IPC_MAGIC else "")
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why:
+        log.warning("ipc buffer %r refused: %s", path, why)
+        raise IpcError(f"{path!r} is not a readable ipc buffer of {size} bytes on this server's host (missing, "
+                       "unreadable, another size, or being written)")
 
 
 def open_buffer(ipc: IpcBuffer) -> torch.Tensor:

@@ -48,3 +48,19 @@ def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     if all(bool(torch.isfinite(torch.stack(sums).sum())) for sums in by_device.values()):
         return []
     return [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def private_copies(tensors: Mapping[str, torch.Tensor], check: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A copy of each tensor in fresh memory of its own, checked for NaN/Inf while it is copied (`check`; one pass,
+    copy_summed), and the names of the copies holding NaN or Inf. What is checked is then what is applied: the source
+    (a shared-memory segment its writer may still change) is read exactly once."""
+    copies: dict[str, torch.Tensor] = {}
+    sums: list[torch.Tensor] = []
+    for name, t in tensors.items():
+        dst = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        if check and t.is_floating_point() and t.numel():
+            copy_summed(dst, t, sums)
+        else:
+            dst.copy_(t)
+        copies[name] = dst
+    return copies, [] if finite_sums(sums) else nonfinite(copies)

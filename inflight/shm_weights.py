@@ -1,7 +1,7 @@
 """The shared-memory weight transport (same host): the trainer writes an update once into a segment on a memory file
 system (/dev/shm), and every server on the host copies it into its model from there — the CPU counterpart of CUDA
-IPC. Two copies in all (trainer -> segment, segment -> model; one when the segment is lent, see below), no socket,
-no serialisation, nothing unpickled.
+IPC. Two copies in all (trainer -> segment, segment -> the server's own memory), no socket, no serialisation,
+nothing unpickled.
 
 A segment is a file: a SHM_HEADER_BYTES header, then the tensors of the announcement at the offsets of
 `contracts.shm_layout` (C order, the announced dtypes). The header says what the bytes are (format 2):
@@ -27,9 +27,12 @@ all), invalidates the magic before writing a new header, and after any failed up
 that may still be reading keeps its mapping of the old file, which nobody writes again).
 
 Lent segments (`ShmWriter(lend=True)`, the announcement's `lend`): the trainer writes two segments in turn and
-promises to leave each one as it is until every server has answered the next update, so a server may compute
-straight from the segment of its last update instead of copying it: one copy per push instead of two. A server's
-mappings are torch storages made read-only, so a weight the engine computes from keeps its segment mapped.
+promises to leave each one as it is until every server has answered the next update. A server copies a lent segment
+all the same: the trainer keeps it writable, so a server reads each byte once, into memory of its own, and applies
+only what it checked there (weight_receiver.py). A server's mappings are torch storages made read-only.
+
+A path that is not a readable segment of the announced size gets one message (`UnreadableSegment`) whatever the
+reason, which only the server logs: a client cannot probe which files exist on the server's host, or their size.
 
 Only the standard library and torch are imported here: vLLM's workers use it in vLLM's environment.
 """
@@ -69,6 +72,19 @@ class ShmError(ValueError):
     """The segment is missing, unreadable, or does not hold what the announcement says (HTTP 400)."""
 
 
+class UnreadableSegment(ShmError):
+    """A path that is not a readable segment of the announced size: one message whatever the reason (missing,
+    unreadable, not a regular file, another size, no segment header), so a client cannot probe the server's files;
+    `reason` says which, for the server's log."""
+
+    def __init__(self, path: str, size: int, reason: str):
+        super().__init__(f"{path!r} is not a readable inflight weight segment of {size} bytes on this server's host "
+                         "(missing, unreadable, another size, or its header is being written); the shm transport "
+                         "needs the trainer and the server on one host (use trainer.weight_transport=process_group "
+                         "across hosts)")
+        self.reason = reason
+
+
 def announcement_digest(params: Iterable[Any]) -> bytes:
     """sha256 of the announced tensors in order (objects with .name, .shape, .dtype, or (name, shape, dtype))."""
     rows = [[p.name, list(p.shape), p.dtype] if hasattr(p, "name") else [p[0], list(p[1]), p[2]] for p in params]
@@ -100,22 +116,19 @@ def check_segment(path: str, size: int, version: int, data_bytes: int, digest: b
     if size != SHM_HEADER_BYTES + data_bytes:
         raise ShmError(f"shm segment size {size} != header {SHM_HEADER_BYTES} + the announced tensors' "
                        f"{data_bytes} bytes (shm_layout)")
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ShmError(f"no shm segment {path!r} on this server's host: the shm transport needs the trainer and the "
-                       "server on one host (use trainer.weight_transport=process_group across hosts)") from None
-    except OSError as e:
-        raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
-    if not stat.S_ISREG(st.st_mode):  # never open a FIFO or a device: reading one could block or never end
-        raise ShmError(f"shm segment {path!r} is not a regular file")
-    if st.st_size != size:
-        raise ShmError(f"shm segment {path!r} has {st.st_size} bytes, the announcement says {size}")
-    try:
-        with open(path, "rb") as f:
+    try:  # opened without blocking and checked on the descriptor: a FIFO or a device is never read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnreadableSegment(path, size, "not a regular file")
+            if st.st_size != size:
+                raise UnreadableSegment(path, size, f"{st.st_size} bytes")
             raw = f.read(_HEADER.size)
     except OSError as e:
-        raise ShmError(f"cannot read shm segment {path!r}: {e}") from None
+        raise UnreadableSegment(path, size, e.strerror or str(e)) from None
+    if len(raw) != _HEADER.size or raw[:8] != SHM_MAGIC:
+        raise UnreadableSegment(path, size, "bad magic (being written, or not a segment)")
     _check_header(_HEADER.unpack(raw), path, version, data_bytes, digest, complete)
 
 
@@ -231,8 +244,8 @@ def wait_complete(path: str, version: int, data_bytes: int, digest: bytes, stall
 class ShmMapping:
     """A server's read-only mappings of segments, kept while the trainer reuses the same files (same inodes): the
     last `keep` of them, so a trainer that lends two segments in turn (`ShmWriter(lend=True)`) is mapped once.
-    A mapping is owned by the tensors made from it (a torch storage): a view the engine computes from keeps its
-    segment mapped after this object let go of it."""
+    A mapping is owned by the tensors made from it (a torch storage): a view still in use keeps its segment mapped
+    after this object let go of it."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
@@ -340,11 +353,11 @@ class _Segment:
 class ShmWriter:
     """The trainer's segment: created on first use in `directory`, reused while the layout stays the same.
 
-    With `lend`, two segments are written in turn and every announcement lends its segment to the servers: they may
-    compute straight from it (one copy per push instead of two) until they have answered the next update, which
-    the other segment carries. The rule that makes this safe is the transport's own: a segment is written only
-    once every server has answered the update before (the one that made them leave it), and after any failed
-    update, or an announcement of other tensors, both files are dropped and never written again."""
+    With `lend`, two segments are written in turn and every announcement lends its segment to the servers: it is
+    left as it is until they have answered the next update, which the other segment carries (servers copy it all
+    the same: they cannot check the promise). A segment is written only once every server has answered the update
+    before, and after any failed update, or an announcement of other tensors, both files are dropped and never
+    written again."""
 
     def __init__(self, directory: str = "/dev/shm", lend: bool = False):
         self.directory, self.lend = directory, lend

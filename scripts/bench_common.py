@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-BF16_PEAK_FLOPS = 989e12  # H100 / H200 SXM, dense bf16
+# dense bf16 peak by device name (NVIDIA's data sheets): the PCIe and NVL parts run lower clocks than the SXM ones
+PEAKS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12), ("H200", 989e12))
 # key: (stage, goal, how the value meets it). goal None: a figure to report (met when it was measured)
 GOALS: dict[str, tuple[str, float | None, str]] = {
     "engine_tokens_per_s_64": ("engine", 16000, ">="),
@@ -34,20 +35,54 @@ GOALS: dict[str, tuple[str, float | None, str]] = {
 STAGES = ("engine", "trainer", "push", "pipeline")
 
 
+# The CPU dry run (--device cpu --tiny) measures these on a 0.4M-parameter model on shared CPU cores: the same code
+# paths, but not what the goal is stated in, so they are not judged (met null, with the reason). The two logprob
+# checks are: float32 on CPU holds them to float rounding.
+NOT_ON_CPU = {
+    "engine_tokens_per_s_64": "CPU dry run: a 0.4M-parameter model, 8 streams of 32 tokens on a shared core",
+    "engine_tokens_per_s_256": "CPU dry run: a 0.4M-parameter model, 32 streams of 32 tokens on a shared core",
+    "engine_tokens_per_s_mixed": "CPU dry run: a 0.4M-parameter model, lengths 8-48, on a shared core",
+    "engine_step_ms_vs_floor_64": "CPU dry run: host memory bandwidth and Python overhead, not a GPU's floor",
+    "engine_step_ms_vs_floor_256": "CPU dry run: host memory bandwidth and Python overhead, not a GPU's floor",
+    "engine_pause_s": "CPU dry run: pushes of a 1.7 MB model, not 988 MB on the GPU",
+    "trainer_tokens_per_s": "CPU dry run: float32 on one CPU thread, a 1,024-token step of a 0.4M-parameter model",
+    "trainer_mfu": "CPU dry run: CPU FLOP/s divided by a GPU's bf16 peak measures nothing",
+    "trainer_peak_gb": "CPU dry run: the process's lifetime peak RSS (float32 reference model included), not "
+                       "torch.cuda.max_memory_allocated over the two steps",
+    "push_s": "CPU dry run: CPU transports (shm in /dev/shm, gloo) moving 1.7 MB, not 988 MB on the GPU",
+    "push_pause_s": "CPU dry run: CPU transports (shm in /dev/shm, gloo) moving 1.7 MB, not 988 MB on the GPU",
+    "pipelined_vs_sync_samples": "CPU dry run: the micro model for 4 steps, trainer and server on shared CPU cores",
+    "pipelined_vs_sync_time_to_target": "CPU dry run: a target of warm-start accuracy + 0 after 4 steps",
+}
+
+
 def keys_of(stage: str) -> list[str]:
     return [k for k, (s, _, _) in GOALS.items() if s == stage]
 
 
-def judged(key: str, value: Any, context: dict | None = None) -> dict[str, Any]:
-    """{"value", "goal", "met"} (+ "context"): met against the goal; a figure without a goal is met once measured."""
+def judged(key: str, value: Any, context: dict | None = None, device: str = "cuda",
+           unjudged: str | None = None) -> dict[str, Any]:
+    """{"value", "goal", "met"} (+ "context"): met against the goal; a figure without a goal is met once measured.
+    `met` is None, with the reason, where the value cannot mean what the goal means: on CPU (NOT_ON_CPU), or
+    `unjudged` (e.g. a GPU whose peak is unknown)."""
     _, goal, how = GOALS[key]
+    reason = unjudged or (NOT_ON_CPU.get(key) if not device.startswith("cuda") else None)
+    met: bool | None
     if value is None:
         met = False
+    elif reason:
+        met = None
     elif goal is None:
         met = True
     else:
-        met = value >= goal if how == ">=" else value <= goal
-    return {"value": value, "goal": goal, "met": bool(met), **({"context": context} if context else {})}
+        met = bool(value >= goal if how == ">=" else value <= goal)
+    return {"value": value, "goal": goal, "met": met, **({"reason": reason} if reason and value is not None else {}),
+            **({"context": context} if context else {})}
+
+
+def bf16_peak(name: str) -> float | None:
+    """Dense bf16 FLOP/s of the GPU named `name` (torch.cuda.get_device_name), None if not in PEAKS."""
+    return next((peak for part, peak in PEAKS if part in name), None)
 
 
 def log(msg: str) -> None:
@@ -63,10 +98,11 @@ class Report:
         self.data: dict[str, Any] = {"figures": {}, "pgids": [], "error": None}
         self.write()
 
-    def figure(self, key: str, value: Any, **context: Any) -> None:
+    def figure(self, key: str, value: Any, unjudged: str | None = None, **context: Any) -> None:
+        """The figure `key`; `unjudged`: why its value cannot be held to the goal here (judged() then says so)."""
         if key not in GOALS:
             raise KeyError(f"unknown figure {key!r}")
-        self.data["figures"][key] = {"value": value, "context": context}
+        self.data["figures"][key] = {"value": value, "context": context, **({"unjudged": unjudged} if unjudged else {})}
         log(f"{key} = {value}" + (f"   {json.dumps(context, default=str)[:400]}" if context else ""))
         self.write()
 

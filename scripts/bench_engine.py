@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,10 @@ def start_server(a: Any, cfg: Any, model: str, out: Path, rep: Report) -> Any:
     env = {"PYTHONPATH": pythonpath(), **thread_env(cfg.server.threads)}
     args = [*engine_options(cfg.server, cuda), *[str(x) for x in cfg.server.extra_args]]
     log(f"server: inflight serve {' '.join(args)}")
-    server = ServerProcess(model, extra_args=args, env=env, startup_timeout_s=300,
+    # through with_parent.py: the server ends with this stage, even if the stage is killed while it starts
+    command = [sys.executable, str(Path(__file__).with_name("with_parent.py")), sys.executable, "-m", "inflight.cli",
+               "serve"]
+    server = ServerProcess(model, extra_args=args, env=env, startup_timeout_s=300, command=command,
                            log_path=str(out / f"server-{a.child}.log"))
     rep.track(server.proc.pid)  # its own session: the driver stops it if this stage is killed
     return server
@@ -166,7 +170,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
 
     model = models["tied"]
     shape = model_shape(model)
-    deadline = time.monotonic() + a.cap_s - 5
+    deadline = a.deadline  # from the stage's start (the driver's clock), less the time to stop
     cfg = run_config(a, [f"pipeline.weight_sync_port={free_port()}"])
     s = cfg.server
     s.max_batch, s.max_model_len = max(s.max_batch, a.streams[1]), max(s.max_model_len, 2 * a.mixed_len[1] + 8)
@@ -181,7 +185,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
         p, n_new = a.prompt_tokens, a.new_tokens
         req = token_request(name, shape["vocab"], lambda r: p, lambda r: n_new)
         steady(url, name, a.streams[0], req, 2.0, 0.5)  # warm-up: first-use work stays out of the figures
-        for streams, key in zip(a.streams, ("64", "256")):
+        for streams, key in zip(a.streams, ("64", "256"), strict=True):
             res = steady(url, name, streams, req, a.warm_s, a.window_s)
             rep.figure(f"engine_tokens_per_s_{key}", res["tokens_per_s"], streams=streams, prompt_tokens=p,
                        new_tokens=n_new, decode_path=decode_path(out / f"server-{a.child}.log"), **res)
@@ -208,14 +212,16 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
                 device_sync(a.device)
                 st = sync.push(hf.named_parameters(), version=v)
                 pushes.append({"seconds": st["seconds"], "pause_s": st["pause_s"][url], "bytes": st["bytes"]})
+                pauses = sorted(x["pause_s"] for x in pushes)
+                # after every push: a stage stopped at its cap keeps the pauses so far
+                rep.figure("engine_pause_s", pauses[len(pauses) // 2], pause_max_s=pauses[-1], pushes=pushes,
+                           transport=cfg.trainer.weight_transport, backend=cfg.trainer.weight_backend,
+                           streams=a.streams[0], note=f"median of {len(pushes)} of 5 pushes' server pauses")
         finally:
             load = bg.stop()
             sync.close()
-        pauses = sorted(x["pause_s"] for x in pushes)
-        rep.figure("engine_pause_s", pauses[2], pause_max_s=pauses[-1], pushes=pushes,
-                   transport=cfg.trainer.weight_transport, backend=cfg.trainer.weight_backend,
-                   streams=a.streams[0], tokens_per_s_during_pushes=load.get("tokens_per_s"),
-                   note="median of the 5 pushes' server pauses")
+        rep.data["figures"]["engine_pause_s"]["context"]["tokens_per_s_during_pushes"] = load.get("tokens_per_s")
+        rep.write()
         diffs = served_logprob_diffs(url, name, hf, old, 5)
         rep.figure("engine_logprob_max_diff", diffs["logprob_max_abs_diff"], **diffs, served_dtype=s.dtype)
         del hf, old

@@ -28,6 +28,11 @@ def overrides(a: Any, out: Path) -> list[str]:
     return [f"model.path={out / 'arith-model'}", *cpu, *a.pipeline_set]
 
 
+def summary_of(r: dict) -> dict:
+    return {k: r.get(k) for k in ("steps", "samples", "wall_s", "samples_per_s", "first_acc", "best_acc",
+                                  "last_acc", "trainer_busy", "trainer_wait", "server_running")}
+
+
 def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     from gpu_smoke import run_launcher
 
@@ -35,7 +40,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     from inflight.host import free_port
     from inflight.pipeline.demo import prepare_model
 
-    deadline = time.monotonic() + a.cap_s
+    deadline = a.deadline  # from the stage's start (the driver's clock), less the time to stop
     base = overrides(a, out)
     cfg = load_config(RunConfig, CONFIG, base)
     t0 = time.perf_counter()
@@ -58,10 +63,13 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
                f"server.base_port={free_port()}", f"pipeline.weight_sync_port={free_port()}"]
         # the first run may overrun its share by what the second does not need; the stage's cap bounds both
         limit = deadline - time.monotonic() - 5 - (run_s + a.run_overhead_s if mode == "pipelined" else 0)
-        rc, output = run_launcher(cmd, max(limit, run_s + a.run_overhead_s), out / f"pipeline-{mode}.log")
+        limit = min(max(limit, run_s + a.run_overhead_s), deadline - time.monotonic())
+        rc, output = run_launcher(cmd, limit, out / f"pipeline-{mode}.log")
         if rc != 0:
             raise RuntimeError(f"inflight train ({mode}) exited {rc}: {output[-1500:]}")
         runs[mode] = read_run(runs_dir / mode)
+        rep.data[f"run_{mode}"] = summary_of(runs[mode])  # kept if the next run is stopped at the cap
+        rep.write()
         log(f"pipeline {mode}: {runs[mode].get('steps')} steps, {runs[mode].get('samples_per_s') or 0:.0f} samples/s, "
             f"held-out {[round(acc, 3) for _, acc, _ in runs[mode].get('evals', [])]}")
     p, s = runs["pipelined"], runs["sync"]
@@ -70,9 +78,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     firsts = [r["first_acc"] for r in (p, s) if r.get("first_acc") is not None]
     start_acc = statistics.median(firsts) if firsts else 0.0
     target = round(start_acc + a.target_gain, 4)
-    summary = {m: {k: r.get(k) for k in ("steps", "samples", "wall_s", "samples_per_s", "first_acc", "best_acc",
-                                         "last_acc", "trainer_busy", "trainer_wait", "server_running")}
-               for m, r in runs.items()}
+    summary = {m: summary_of(r) for m, r in runs.items()}
     common = {"config": str(CONFIG.relative_to(ROOT)), "overrides": base, "run_s": run_s, "warm_start_s": warm_s,
               "runs": summary}
     rep.figure("pipelined_vs_sync_samples", p["samples_per_s"] / s["samples_per_s"], **common)

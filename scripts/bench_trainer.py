@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import BF16_PEAK_FLOPS, Report, device_sync, log, model_shape, peak_memory_gb, run_config
+from bench_common import PEAKS, Report, bf16_peak, device_sync, log, model_shape, peak_memory_gb, run_config
 from smoke_trainer import behaviour_logprobs, packed_samples, train_step
 
 
@@ -66,6 +66,7 @@ def profile_step(engine: Any, samples: list, tokens: int, cuda: bool, rows: int 
 def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     import torch
 
+    from inflight.trainer import varlen
     from inflight.trainer.factory import make_trainer
 
     cuda = a.device.startswith("cuda")
@@ -83,6 +84,7 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
                tokens=sum(len(s.completion_ids) for s in samples), reference="float32 HF forward, float64 softmax")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    varlen.CALLS.clear()
     cold, cold_s = train_step(engine, samples, a.packed_tokens, cuda)
     _, warm_s = train_step(engine, samples, a.packed_tokens, cuda)
     peak, what = peak_memory_gb(a.device)
@@ -98,10 +100,18 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
                                                                             False)), "attention": cfg.attention, "packed_tokens": tokens,
                "samples": len(samples), "sample_lengths": [min(lens), max(lens)], "micro_batches":
                cold.get("micro_batches"), "warm_step_s": warm_s, "cold_step_s": cold_s, "load_s": load_s,
-               "ratio_mean": cold.get("ratio_mean")}
+               "ratio_mean": cold.get("ratio_mean"),
+               # what attention ran: the varlen kernel, or (fallback) the per-length SDPA path
+               "attention_impl": engine.model.config._attn_implementation, "varlen_calls": dict(varlen.CALLS)}
     rep.figure("trainer_tokens_per_s", tokens / warm_s, **context)
-    rep.figure("trainer_mfu", flops / warm_s / BF16_PEAK_FLOPS, flops_per_step=flops, attention_flops=attn,
-               matmul_parameters=shape["matmul_parameters"], peak_flops=BF16_PEAK_FLOPS, warm_step_s=warm_s)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    peak_flops = bf16_peak(gpu)
+    unjudged = None if peak_flops or not cuda else \
+        f"no bf16 peak known for {gpu!r} (bench_common.PEAKS): the value is against the H100 / H200 SXM peak"
+    peak_flops = peak_flops or dict(PEAKS)["H100"]
+    rep.figure("trainer_mfu", flops / warm_s / peak_flops, unjudged=unjudged, flops_per_step=flops,
+               attention_flops=attn, matmul_parameters=shape["matmul_parameters"], peak_flops=peak_flops,
+               device_name=gpu, achieved_tflops=flops / warm_s / 1e12, warm_step_s=warm_s)
     rep.figure("trainer_peak_gb", peak, measured_by=what, over="the cold and the warm step")
     log("trainer: profiling a third step")
     t1 = time.perf_counter()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Wheels of inflight's dependencies that the lent GPU machine's image lacks (it has torch, transformers, safetensors,
-# peft, accelerate, httpx, aiohttp, numpy, ...; no internet there), for CPython 3.12 on x86-64 Linux, into .whl/
-# (git-ignored). Run it here, where PyPI answers; docs/backends.md "How to run on a lent GPU" carries them over.
-# Versions: those this project is tested with. ~5 MB in all.
+# Wheels of inflight's dependencies that the lent GPU machine's image lacks (its packages: the list in
+# docs/backends.md; no internet there), for CPython 3.12 on x86-64 Linux, into .whl/ (git-ignored). Run it here,
+# where PyPI answers; scripts/gpu-run.sh installs them there (docs/backends.md "How to run on a lent GPU"). Every
+# NAME==VERSION below is the carry list that tests/test_gpu_imports.py rehearses the bench's imports with: a package
+# the bench imports must be on the image's list or here. Versions: those this project is tested with. 4.7 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

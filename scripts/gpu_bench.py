@@ -11,8 +11,9 @@ smoke's builder) unless it is there. The servers and trainers are built from the
 configs/gpu-qwen2.5-gsm8k.yaml, laid out on one GPU; --set key=value for any server.* / trainer.* option); the
 pipeline stage runs configs/gpu-arith-1gpu.yaml (--pipeline-set key=value).
 
-Writes OUT/bench.json after every stage: each figure as {"value", "goal", "met", "context"}, the stages' seconds,
-caps and errors; the log is OUT/bench.log (scripts/gpu-bench.sh tees it). Exit 0 when every stage ran and reported
+Writes OUT/bench.json after every stage: each figure as {"value", "goal", "met", "context"} (met null, with a
+"reason", where the value cannot mean what the goal means: on CPU, or a GPU whose bf16 peak is unknown), the stages'
+seconds, caps and errors; the log is OUT/bench.log (scripts/gpu-bench.sh tees it). Exit 0 when every stage ran and reported
 all its figures (goals met or not), else 1 naming the failed stages.
 """
 
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -35,12 +37,12 @@ sys.path.insert(0, str(ROOT))
 from bench_common import GOALS, STAGES, Report, judged, keys_of, log  # noqa: E402  (scripts/ is this file's folder)
 from smoke_server import pythonpath  # noqa: E402
 
-# seconds per stage on the GPU (they add up to 470 s: the 8 minutes less the driver's own start and end; the
-# pipeline's two runs get what its warm start leaves, up to 90 s each); --tiny runs on a shared CPU, where the caps
-# only stop a hang
-CAPS = {"models": 30, "engine": 95, "trainer": 45, "push": 50, "pipeline": 250}
+# seconds per stage on the GPU (they add up to the default budget, 480 s; the pipeline's two runs get what its warm
+# start leaves, up to 90 s each); --tiny runs on a shared CPU, where the caps only stop a hang
+CAPS = {"models": 30, "engine": 110, "trainer": 45, "push": 55, "pipeline": 240}
 TINY_CAPS = {"models": 60, "engine": 120, "trainer": 60, "push": 90, "pipeline": 150}
 GRACE_S = 20  # after SIGTERM at the cap: the stage stops its servers and runs, then SIGKILL
+STOP_S = 8  # a stage plans to end this long before its cap: writing its figures and stopping its server take time
 
 
 def scale(a: argparse.Namespace) -> None:
@@ -75,7 +77,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--push-transports", default="", help="comma-separated (default: every transport but file)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="whole-run limit (default 480 on a GPU)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)  # runs one stage: the driver's subprocess
-    ap.add_argument("--cap-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--ends-at", type=float, default=0.0, help=argparse.SUPPRESS)  # the stage's cap, time.time()
     a = ap.parse_args(argv)
     a.selected = [s for s in a.stages.split(",") if s]
     bad = [s for s in a.selected if s not in STAGES]
@@ -91,6 +93,9 @@ def child(a: argparse.Namespace) -> int:
     import importlib
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stops servers, runs
+    # the deadline counts from the driver's start of this process (its imports included), not from here
+    a.deadline = time.monotonic() + (a.ends_at - time.time()) - STOP_S
+    watch_parent()
     out = Path(a.out).resolve()
     rep = Report(out / f"stage-{a.child}.json")
     try:
@@ -112,6 +117,20 @@ def child(a: argparse.Namespace) -> int:
         return 1
 
 
+def watch_parent() -> None:
+    """A stage whose driver is gone (killed) stops itself as at its cap: SIGTERM, then the group's SIGKILL."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(GRACE_S)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def run_stage(a: argparse.Namespace, name: str, cap: float, argv: list[str]) -> dict[str, Any]:
     """The stage as a subprocess (its own process group) under `cap` seconds; its report file, read back."""
     from inflight.host import free_port
@@ -125,7 +144,8 @@ def run_stage(a: argparse.Namespace, name: str, cap: float, argv: list[str]) -> 
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()),
            **({} if a.device.startswith("cuda") else {"OMP_NUM_THREADS": "1"})}
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name, "--cap-s", f"{cap:.0f}"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name, "--ends-at",
+           f"{time.time() + cap:.3f}"]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     timed_out = False
     try:
@@ -182,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["gpu"] = torch.cuda.get_device_name(0)
     bench: dict[str, Any] = {"meta": meta, "stages": {}}
     for key in [k for s in a.selected for k in keys_of(s)]:
-        bench[key] = judged(key, None)
+        bench[key] = judged(key, None, device=a.device)
     caps = TINY_CAPS if a.tiny else CAPS
     todo = (["models"] if set(a.selected) & {"engine", "trainer", "push"} else []) + a.selected
     t_start, failed = time.monotonic(), []
@@ -199,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             res = run_stage(a, name, cap, raw)
             seconds = time.monotonic() - t0
         for key, f in res.get("figures", {}).items():
-            bench[key] = judged(key, f["value"], f.get("context"))
+            bench[key] = judged(key, f["value"], f.get("context"), a.device, f.get("unjudged"))
         missing = [k for k in keys_of(name) if k not in res.get("figures", {})] if name != "models" else []
         error = res.get("error") or (f"did not report {missing}" if missing else None)
+        kept = {k: v for k, v in res.items() if k not in ("figures", "pgids", "error", "models")}  # e.g. one run
         bench["stages"][name] = {"ok": error is None, "seconds": round(seconds, 1), "cap_s": round(cap, 1),
-                                 **({"error": error} if error else {})}
+                                 **({"error": error} if error else {}), **kept}
         if error:
             failed.append(name)
         log(f"{name}: {'ok' if not error else 'FAILED'} in {seconds:.1f} s" + (f": {error[:1500]}" if error else ""))
@@ -224,7 +245,8 @@ def summary(bench: dict[str, Any], selected: list[str]) -> None:
         f = bench[key]
         v = "-" if f["value"] is None else f"{f['value']:.4g}"
         g = "report" if f["goal"] is None else f"{GOALS[key][2]} {f['goal']:g}"
-        print(f"{key:36} {v:>14} {g:>10}  {'yes' if f['met'] else 'NO'}", flush=True)
+        met = "-  " + f["reason"] if f["met"] is None else "yes" if f["met"] else "NO"
+        print(f"{key:36} {v:>14} {g:>10}  {met}", flush=True)
     print(flush=True)
 
 

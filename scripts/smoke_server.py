@@ -109,12 +109,14 @@ def load(url: str, model: str, streams: int, seconds: float, max_tokens: int) ->
 
 
 def perturb(model: Any, seed: int, scale: float) -> None:
+    """Every weight += scale * N(0, 1), drawn on the model's device (on the host, 494M draws take ~2.6 s)."""
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_((scale * torch.randn(p.shape, generator=g)).to(p.device, p.dtype))
+            p.add_((scale * torch.randn(p.shape, generator=g, device=device)).to(p.dtype))
 
 
 def reference_logprobs(model: Any, ids: list[int], n_prompt: int) -> list[float]:

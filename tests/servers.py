@@ -18,6 +18,40 @@ def model_of(url: str) -> str:
     return httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def fingerprint(server) -> tuple:
+    """What a normal completion returns (seeded sampling with top-5 logprobs): any change of the weights changes it.
+    `server`: .url, .model, and .headers (the API key, when the server has one)."""
+    r = httpx.post(server.url + "/v1/completions", headers=getattr(server, "headers", {}), timeout=60, json={
+        "model": server.model, "prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True, "seed": 11, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    return tuple(ch["token_ids"]), tuple(tuple(sorted(d.values())) for d in ch["logprobs"]["top_logprobs"])
+
+
+def answers_normally(server) -> None:
+    """The server is alive and answers a normal request exactly as when `server.ref` was taken."""
+    assert server.proc.poll() is None, "server died"
+    assert fingerprint(server) == server.ref
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    """The error of a response that must be `status` in OpenAI's shape: {"error": {"message", "type", "param",
+    "code"}}."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
 def serve_model(model_dir: Path, *args: str):
     """`inflight serve` on a model folder in a subprocess (1 thread, 512 tokens of context), as a context manager:
     the body of a module's `server` fixture."""

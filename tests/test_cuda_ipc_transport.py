@@ -97,17 +97,17 @@ def test_bad_updates_are_refused_and_change_nothing(server, hf, ipc, tmp_path):
     refused({**body, "params": wrong}, "shape")  # the layout does not fit the model
     refused({**body, "ipc": {**handle, "bytes": handle["bytes"] + 64}}, "the announced tensors need header")
     refused({**body, "ipc": {**handle, "path": "relative/file"}}, "must be absolute")
-    refused({**body, "ipc": {**handle, "path": "/dev/shm/inflight-no-such-buffer"}}, "cannot read ipc buffer")
+    refused({**body, "ipc": {**handle, "path": "/dev/shm/inflight-no-such-buffer"}}, "not a readable ipc buffer")
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)  # opening it would block the server: refused from its file type
-    refused({**body, "ipc": {**handle, "path": fifo}}, "not a regular file")
+    refused({**body, "ipc": {**handle, "path": fifo}}, "not a readable ipc buffer")  # one message: no probing
     refused({**body, "ipc": {**handle, "kind": "cuda", "device": 0, "handle": base64.b64encode(b"x" * 64).decode()}},
             "for a server on the CPU")
     r = httpx.post(url + "/request_weight_update", json={**body, "ipc": {**handle, "pickle": "gASV"}}, timeout=30)
     assert r.status_code in (400, 422) and "pickle" in r.text  # no field outside the schema
     with open(ipc._ipc.path, "r+b") as f:  # a buffer being written: its magic is zero until the data is complete
         f.write(b"\0" * 8)
-    refused({**body, "version": 6}, "holds no complete update")
+    refused({**body, "version": 6}, "being written")
     assert fingerprint(url) == ref and version_of(url) == 5
 
     poisoned = dict(good)

@@ -133,7 +133,7 @@ def test_bucketed_push_lands_every_tensor_in_its_place(server, hf, sync, monkeyp
 
 
 def test_bad_updates_are_rejected_and_change_nothing(server, hf, sync):
-    sync.push(perturbed(hf, seed=2).items(), version=2)
+    sync.push(perturbed(hf, seed=2).items(), version=13)  # versions never go back: after the tests before
     ref = fingerprint(server.url)
     spec = [{"name": n, "shape": list(p.shape), "dtype": "float32"} for n, p in hf.named_parameters()]
     bad_bodies = {
@@ -143,18 +143,18 @@ def test_bad_updates_are_rejected_and_change_nothing(server, hf, sync):
         "dtype": [{**spec[0], "dtype": "bfloat16"}],
     }
     for what, params in bad_bodies.items():
-        r = httpx.post(server.url + "/request_weight_update", json={"version": 9, "params": params}, timeout=10)
+        r = httpx.post(server.url + "/request_weight_update", json={"version": 19, "params": params}, timeout=10)
         assert 400 <= r.status_code < 500, (what, r.status_code, r.text)
-    r = httpx.post(server.url + "/request_weight_update", json={"version": 9, "path": "/dev/shm/missing.st"})
-    assert r.status_code == 400 and "no such file" in r.text
+    r = httpx.post(server.url + "/request_weight_update", json={"version": 19, "path": "/dev/shm/missing.st"})
+    assert r.status_code == 400 and "not a readable safetensors file" in r.text
     # through the client: a wrong tensor is refused before anything is broadcast, naming the server
     wrong = [(n, t if i else torch.zeros(2, 2)) for i, (n, t) in enumerate(perturbed(hf, 3).items())]
     with pytest.raises(WeightSyncError, match=server.url):
-        sync.push(wrong, version=9)
+        sync.push(wrong, version=19)
     assert fingerprint(server.url) == ref  # weights and version exactly as they were
     # and the group is still usable
     new = perturbed(hf, seed=4)
-    sync.push(new.items(), version=3)
+    sync.push(new.items(), version=14)
     check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
 
 
@@ -164,35 +164,35 @@ def test_dry_run_only_for_an_announcement_not_yet_taken(server, hf, sync, monkey
     paths = []
     real = sync.post
     monkeypatch.setattr(sync, "post", lambda url, path, *a: paths.append(path) or real(url, path, *a))
-    sync.push(perturbed(hf, seed=6).items(), version=4)  # whatever came before, this announcement was taken
+    sync.push(perturbed(hf, seed=6).items(), version=15)  # whatever came before, this announcement was taken
     paths.clear()
     new = perturbed(hf, seed=7)
-    sync.push(new.items(), version=5)
+    sync.push(new.items(), version=16)
     assert paths == ["/request_weight_update"]
     check_matches(hf, new, chat(server.url, temperature=1.0), 1.0)
     wrong = [(n, t if i else torch.zeros(2, 2)) for i, (n, t) in enumerate(new.items())]
     paths.clear()
     with pytest.raises(WeightSyncError, match="shape"):
-        sync.push(wrong, version=6)
+        sync.push(wrong, version=17)
     assert paths == ["/check_weight_update"]
-    assert httpx.get(server.url + "/health").json()["version"] == 5
+    assert httpx.get(server.url + "/health").json()["version"] == 16
 
 
 def test_file_transport(server, hf):
     new = perturbed(hf, seed=5)
     c = WeightSyncClient([server.url], transport="file")
-    stats = c.push(new.items(), version=4, mode="interrupt")
+    stats = c.push(new.items(), version=17, mode="interrupt")
     c.close()
     assert stats["num_tensors"] == len(new)
     after = chat(server.url, temperature=1.0)
-    assert set(after["token_versions"]) == {4}
+    assert set(after["token_versions"]) == {17}
     check_matches(hf, new, after, 1.0)
 
 
 @pytest.mark.parametrize("mode", ["keep", "interrupt"])
 def test_update_during_long_generation(server, hf, sync, mode):
     """A generation spanning an update: versions switch once; interrupt = fresh forward of the new weights."""
-    base = 10 if mode == "keep" else 20
+    base = 30 if mode == "keep" else 40
     old = perturbed(hf, seed=base)
     sync.push(old.items(), version=base)
     new = perturbed(hf, seed=base + 1)
@@ -233,9 +233,10 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
     trained = trainer.forward_logprobs(batch)[batch.loss_mask > 0].tolist()
     assert max(abs(a - b) for a, b in zip(trained, sample.logprobs)) > 1e-3  # the step really moved the policy
 
-    sync.push(trainer.named_weights(), version=trainer.version)
+    version = 42 + trainer.version  # the module's server is past the trainer's own count: versions never go back
+    sync.push(trainer.named_weights(), version=version)
     after = chat(server.url, temperature=1.0, seed=3)
-    assert set(after["token_versions"]) == {trainer.version}
+    assert set(after["token_versions"]) == {version}
     s2 = Sample(group_id="g1", prompt_ids=after["prompt_token_ids"], completion_ids=after["token_ids"],
                 logprobs=server_logprobs(after), versions=after["token_versions"])
     (b2,) = pack_samples([s2], [1.0], 4096, 1, len(s2.completion_ids))

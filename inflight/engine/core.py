@@ -267,9 +267,6 @@ class InferenceEngine:
                 errors.append(f"{name}: shape {tuple(getattr(t, 'shape', ()))} != {tuple(p.shape)}")
         if errors:
             raise ValueError("; ".join(errors[:10]))
-        make_writable = getattr(self.runner, "make_writable", None)
-        if make_writable is not None and tensors:
-            make_writable(tensors)  # weights computed from a segment the trainer lent are not ours to write
         with torch.no_grad():
             for name, t in tensors.items():
                 self._params[name].data.copy_(t)  # in place: converts dtype/device, keeps the runner's views

@@ -259,10 +259,3 @@ void copy_count_nonfinite(const uint32_t* restrict src, uint32_t* restrict dst, 
   }
   *bad = b;
 }
-
-/* *bad = how many of n float32 values are NaN or +-Inf: a lent segment (LlamaRunner.stage with `lend`) is only read. */
-void count_nonfinite(const uint32_t* restrict src, int64_t n, int64_t* bad) {
-  int64_t b = 0;
-  for (int64_t i = 0; i < n; ++i) b += (src[i] & 0x7f800000u) == 0x7f800000u;
-  *bad = b;
-}

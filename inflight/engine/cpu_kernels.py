@@ -33,7 +33,6 @@ _SIGNATURES = {
     "silu_mul": [_P, _I, _I, _P],
     "sample_rows": [_P, _I, _I, _P, _P, _P, _P, _P],
     "copy_count_nonfinite": [_P, _P, _I, _P],
-    "count_nonfinite": [_P, _I, _P],
 }
 
 
@@ -102,10 +101,4 @@ class Kernels:
         """dst.copy_(src) for contiguous float32 tensors of one size; True when every value copied was finite."""
         bad = torch.zeros(1, dtype=torch.int64)
         self.lib.copy_count_nonfinite(src.data_ptr(), dst.data_ptr(), dst.numel(), bad.data_ptr())
-        return int(bad) == 0
-
-    def all_finite(self, src: torch.Tensor) -> bool:
-        """True when every value of a contiguous float32 tensor is finite (one read)."""
-        bad = torch.zeros(1, dtype=torch.int64)
-        self.lib.count_nonfinite(src.data_ptr(), src.numel(), bad.data_ptr())
         return int(bad) == 0

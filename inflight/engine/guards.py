@@ -1,6 +1,7 @@
 """Protections of the built-in server against overload and hostile input (docs/reliability.md):
 
-- `BodyLimit`: an ASGI middleware that refuses request bodies over `max_bytes` with 413 before the app parses them.
+- `BodyLimit`: an ASGI middleware that checks the API key from the headers (401) before reading a body, and refuses
+  bodies over `max_bytes` (413) or slower than `body_timeout_s` (408) before the app parses them.
 - `Admission`: the queue limit. At most `max_batch + max_waiting` sequences (a request with n choices counts n) may
   be admitted at once; one more gets 429 with Retry-After, instead of growing the engine's queue without bound.
 - `check_master_address`: where a `/init_process_group` request may make the server connect (see its docstring).
@@ -8,41 +9,70 @@
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import ipaddress
 import json
+import logging
 import socket
 from typing import Any, Awaitable, Callable
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+log = logging.getLogger("inflight.engine.server")
 
 
 class BodyLimit:
-    """Reads the whole body first (FastAPI would anyway), answering 413 once it passes `max_bytes`; then replays it
-    to the app. Later `receive()` calls go to the server, so disconnect detection keeps working."""
+    """The server's edge, before any route runs (docs/reliability.md, "Hostile input on the HTTP API"):
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    - with an API key, a request without it gets 401 from its headers alone, its body never read (/health stays
+      open): unauthenticated clients cannot make the server hold their bodies;
+    - a body must arrive within `body_timeout_s` (else 408) and hold at most `max_bytes` (else 413);
+    - the body read is replayed to the app; later `receive()` calls go to the server, so disconnect detection keeps
+      working.
+    Refusals close the connection (the rest of the body is never read)."""
+
+    def __init__(self, app: Any, max_bytes: int, api_key: str | None = None, body_timeout_s: float = 30.0):
+        self.app, self.max_bytes, self.body_timeout_s = app, max_bytes, body_timeout_s
+        try:  # as starlette reads headers (latin-1), so this check and the routes' agree
+            self._expected = None if api_key is None else f"Bearer {api_key}".encode("latin-1")
+        except UnicodeEncodeError:
+            self._expected = b""  # a key no header can carry: every request is refused, as by the routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if self._expected is not None and not self._authorized(scope):
+            client = (scope.get("client") or ("?",))[0]
+            log.warning("401 %s %s from %s: missing or wrong API key", scope["method"], scope["path"], client)
+            return await refuse(send, 401, MISSING_KEY, None)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if scope["method"] in ("GET", "HEAD", "OPTIONS") and declared in (None, b"0") \
+                and b"transfer-encoding" not in headers:  # no body (one sent anyway is read, in time, as any)
+            return await self.app(scope, receive, send)
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:  # a chunked body without (or lying about) its length
-                return await self._too_large(send)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while size <= self.max_bytes:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            log.warning("408 %s %s from %s: body not received within %g s (%d bytes)", scope["method"],
+                        scope["path"], (scope.get("client") or ("?",))[0], self.body_timeout_s, size)
+            return await refuse(send, 408, f"request body not received within {self.body_timeout_s:g} s (serve "
+                                           "--body-timeout-s)", "body_timeout")
+        if size > self.max_bytes:  # a chunked body without (or lying about) its length
+            return await self._too_large(send)
         replayed = False
 
         async def replay() -> dict[str, Any]:
@@ -54,14 +84,28 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
+    def _authorized(self, scope: Scope) -> bool:
+        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
+            return True
+        got = next((v for k, v in scope.get("headers") or [] if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self._expected or b"")
+
     async def _too_large(self, send: Send) -> None:
-        body = json.dumps({"error": {"message": f"request body over the server's limit of {self.max_bytes} bytes "
-                                                f"(serve --max-body-bytes)", "type": "invalid_request_error",
-                                     "param": None, "code": "body_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await refuse(send, 413, f"request body over the server's limit of {self.max_bytes} bytes (serve "
+                                f"--max-body-bytes)", "body_too_large")
+
+
+MISSING_KEY = "missing or invalid API key (send 'Authorization: Bearer KEY')"
+
+
+async def refuse(send: Send, status: int, message: str, code: str | None) -> None:
+    """An OpenAI error body, and the connection closed after it (a body may be left unread)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class QueueFull(Exception):

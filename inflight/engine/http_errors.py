@@ -8,9 +8,10 @@ import logging
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inflight.engine.core import VersionNotReached
-from inflight.engine.guards import QueueFull
+from inflight.engine.guards import MISSING_KEY, QueueFull
 
 log = logging.getLogger("inflight.engine.server")
 LOCAL_HOSTS = {"127.0.0.1", "::1", "localhost", "testclient"}
@@ -58,9 +59,17 @@ def install_error_handlers(app: FastAPI, version_wait_s: float) -> None:
         response.headers["Retry-After"] = "1"
         return response
 
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    # starlette's own (404, 405, FastAPI's body parser), of which FastAPI's HTTPException is a subclass
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # the JSON parser's nesting limit
+            message = "malformed JSON body (nested too deeply)"
+        elif exc.status_code in (404, 405):
+            message = f"{message}: {request.method} {request.url.path}"
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
 
 class Auth:
@@ -76,7 +85,7 @@ class Auth:
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             log.warning("401 %s %s from %s: missing or wrong API key", request.method, request.url.path,
                         request.client.host if request.client else "?")
-            raise HTTPException(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+            raise HTTPException(401, MISSING_KEY)
 
     async def admin(self, request: Request) -> None:
         host = request.client.host if request.client else ""

@@ -39,7 +39,7 @@ class IpcReceiver:
     def validate(self, req: WeightUpdateRequest, served_version: int) -> None:
         """Everything that can be checked without opening the handle (IpcError)."""
         assert req.ipc is not None and req.params is not None
-        if req.version < served_version:  # token_versions never decrease (the contract's ordering)
+        if req.version < served_version and not req.new_run:  # token_versions never decrease (update_checks)
             raise IpcError(f"stale version: the update announces v{req.version}, this server holds "
                            f"v{served_version}; an ipc update may not go back", status=409)
         _, data_bytes = shm_layout(req.params)

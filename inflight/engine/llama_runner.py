@@ -29,10 +29,9 @@ in at the next step boundary, unless another update came meanwhile (then they ar
 Staged updates (CPU, `double_buffer`): a full shared-memory update is copied by `stage()` into spare storage while
 the engine generates (each fused matrix, the embedding, an untied head), checked for NaN/Inf in the same pass, each
 part as soon as the trainer has written it to the segment (the two copies of a push overlap), and the pause only re-points the forward and the HF parameters at it (`swap()`); the storage let go becomes the next
-update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off.
-A segment the trainer lends (it leaves it unchanged until the next update is answered) is not copied at all: a block
-whose members lie back to back in it becomes a view of the segment, only read for the NaN/Inf check, and no spare
-is kept; `make_writable` gives a block storage of its own again before anything writes into it in place.
+update's spare. It costs one more copy of the model in memory; INFLIGHT_STAGE_UPDATES=0 turns it off. The forward
+never computes from a segment itself, lent or not: its writer can still change it (what was checked must be what is
+served), so every block is copied once.
 """
 
 from __future__ import annotations
@@ -141,7 +140,6 @@ class LlamaRunner:
         # of memory; on a GPU the memory is dearer and updates are copied in the pause as before)
         self.double_buffer = self.device.type == "cpu" and os.environ.get("INFLIGHT_STAGE_UPDATES", "1") != "0"
         self._spares: dict[tuple[int, str], torch.Tensor] = {}
-        self._lent: set[tuple[int, str]] = set()  # blocks computed straight from a segment the trainer lent
         if self.double_buffer:  # the loaded weights are a private mapping of the checkpoint file (safetensors):
             # the first write into a page copies it from the file (measured: the second staged update of a 538 MB
             # model, into that storage, took as long as the first into fresh memory); the fused ones are copies
@@ -236,11 +234,11 @@ class LlamaRunner:
                 for p, a, b in self.members[where]:
                     # a private copy: W0 tensors are never aliased
                     new[a:b].copy_(new_rows[id(p)][1] if id(p) in new_rows else cur[a:b])
-                prepared.append((where, new, False))
+                prepared.append((where, new))
         return prepared, rest
 
     def stage(self, tensors: dict[str, torch.Tensor], check_finite: bool = True,
-              ready=None, lend: bool = False) -> tuple[list, dict, list[str]]:
+              ready=None) -> tuple[list, dict, list[str]]:
         """Off the engine thread, a full update (`tensors`: HF names, the model's dtypes): as prepare_swap, but
         written into the storage the previous swap() let go (no fresh pages: faulting in 538 MB cost more than
         copying it), and checked for NaN/Inf as it is copied, in one pass (the C kernel for float32, else
@@ -248,30 +246,14 @@ class LlamaRunner:
         a tensor is there to be read (a shared-memory segment the trainer is still writing: SegmentWatch.ready);
         the tensors are then copied a few MB at a time, in the order the trainer writes them. Returns (prepared
         for swap(), the tensors left to load_weights, names of the staged tensors holding NaN/Inf: then nothing
-        may be swapped in). The engine never reads a spare: the weights it computes with do not change here.
-        With `lend` (the trainer lends the segment until the next update: ShmWriter(lend=True)), a block whose
-        members lie back to back in the segment, in its order and dtype, is not copied: the forward will compute
-        straight from the segment, only read here for the NaN/Inf check."""
+        may be swapped in). The engine never reads a spare: the weights it computes with do not change here. Each
+        byte of `tensors` is read once: what was checked is what gets swapped in, whoever writes the source later."""
         touched, rest = self._blocks(tensors)
-        prepared, bad, sums, summed = [], [], [], []
+        prepared, bad, summed = [], [], []
+        sums: list[torch.Tensor] = []
         with torch.no_grad():
             for where, new_rows in touched.items():
                 cur = self._storage(where)
-                span = self._lent_span(where, new_rows, cur) if lend else None
-                if span is not None:
-                    for p, a, b in self.members[where]:
-                        name, whole = new_rows[id(p)]
-                        for t in self._chunks(whole, ready):
-                            if not check_finite:
-                                continue
-                            if self._copier is not None and t.dtype == torch.float32 and t.is_contiguous():
-                                if not self._copier.all_finite(t) and name not in bad:
-                                    bad.append(name)
-                            else:
-                                sums.append(t.sum(dtype=torch.float32))
-                                summed.append((name, t))
-                    prepared.append((where, span, True))
-                    continue
                 spare = self._spares.get(where)
                 if (spare is None or spare.shape != cur.shape or spare.dtype != cur.dtype
                         or spare.data_ptr() == cur.data_ptr()):
@@ -293,7 +275,7 @@ class LlamaRunner:
                         else:
                             finite.copy_summed(dst, t, sums)
                             summed.append((name, dst))
-                prepared.append((where, spare, False))
+                prepared.append((where, spare))
         if not finite.finite_sums(sums):  # or huge finite values overflowed the sum: look at each chunk
             bad += [n for n in dict.fromkeys(n for n, v in summed if not bool(torch.isfinite(v).all())) if n not in bad]
         return prepared, rest, bad
@@ -309,39 +291,12 @@ class LlamaRunner:
                 ready(t)
             yield t
 
-    def _lent_span(self, where: tuple[int, str], new_rows: dict, cur: torch.Tensor) -> torch.Tensor | None:
-        """The block as one view of a lent segment, if all its members are there back to back in its order, dtype
-        and device (the trainer's layout of q|k|v and gate|up, unless padding or another order separates them)."""
-        members = self.members[where]
-        if not self.double_buffer or any(id(p) not in new_rows for p, _, _ in members):
-            return None
-        views = [new_rows[id(p)][1] for p, _, _ in members]
-        end = None
-        for t in views:
-            if t.dtype != cur.dtype or t.device != cur.device or not t.is_contiguous():
-                return None
-            if end is not None and t.data_ptr() != end:
-                return None
-            end = t.data_ptr() + t.numel() * t.element_size()
-        shape = tuple(cur.shape)
-        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # C order
-        return views[0].as_strided(shape, strides, views[0].storage_offset())
-
-    def make_writable(self, names) -> None:
-        """Inside the pause, before the HF parameters `names` are written in place (load_weights): a block computed
-        from a lent segment is copied into storage of its own first (the segment is read-only and not ours)."""
-        params = dict(self.model.named_parameters())
-        wanted = {id(params[n]) for n in names if n in params}
-        for where in [w for w in self._lent if any(id(p) in wanted for p, _, _ in self.members[w])]:
-            cur = self._storage(where)
-            self.swap([(where, cur.clone(memory_format=torch.contiguous_format), False)])
-
     def swap(self, prepared: list) -> None:
         """Inside the pause: point the forward and the HF parameters at the prepared storage (no copy); the caller
         then runs after_weight_update (load_weights does) so the generator's weights follow. With double_buffer
         the storage let go is kept as the block's spare: nothing reads it any more (the generator is rebuilt, a
         background re-pack of it is dropped as stale), so stage() may write it."""
-        for where, new, lent in prepared:
+        for where, new in prepared:
             old = self._storage(where)
             if self.pinned:  # copy into the storage the graphs read (prepare_swap's buffers are private copies)
                 with torch.no_grad():
@@ -352,14 +307,8 @@ class LlamaRunner:
                 self.layers[li][key] = new
             for p, a, b in self.members[where]:
                 p.data = new[a:b]  # still one storage per fused matrix: in-place updates keep reaching the forward
-            was_lent = where in self._lent
-            if lent:
-                self._lent.add(where)
-                self._spares.pop(where, None)  # the trainer keeps lending: no copy of ours to write
-            else:
-                self._lent.discard(where)
-                if self.double_buffer and not was_lent:  # a lent segment is never anybody's spare
-                    self._spares[where] = old
+            if self.double_buffer:
+                self._spares[where] = old
 
     def pin_storage(self) -> None:
         """From now on every weight tensor, generator copy and the KV cache keep their storage: updates are copied

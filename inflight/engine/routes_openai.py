@@ -18,6 +18,7 @@ from inflight.engine import openai_api as oa
 from inflight.engine.chat_template import TemplateAbilities
 from inflight.engine.guards import Admission
 from inflight.engine.http_errors import Auth, BadRequest
+from inflight.engine.prompts import Prompts
 from inflight.engine.request import Choice, Generation
 from inflight.engine.sampling import SamplingParams
 from inflight.engine.tool_parser import CLOSE, HermesStream, Parsed, call_dict, parse_hermes
@@ -79,6 +80,7 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
     router = APIRouter(dependencies=[Depends(auth.key)])
     limit_n = max_n or int(getattr(engine, "max_batch", 128))
     tok_cache: dict[int, str] = {}
+    prompts = Prompts(engine)
 
     @functools.cache
     def abilities() -> TemplateAbilities:  # on first use: the engine's tokenizer is final by then
@@ -125,27 +127,6 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             priority=req.priority, prompt_logprobs=req.prompt_score_k,
         )
 
-    @functools.lru_cache(maxsize=4096)  # RL asks for the same prompts again (held-out sets, retries)
-    def render_chat(key: bytes, add_generation_prompt: bool, opening: str) -> tuple[int, ...]:
-        """`key`: the JSON of [messages, tools] as the template takes them; `opening`: text the reply starts with."""
-        if not getattr(engine.tokenizer, "chat_template", None):
-            raise BadRequest(f"model {engine.model_name!r} has no chat template, so chat messages cannot be rendered: "
-                             "use /v1/completions with a prompt, or serve a chat model (or add chat_template.jinja "
-                             "to the model folder)", "messages")
-        msgs, tools = orjson.loads(key)
-        try:
-            ids = engine.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=True, return_dict=False)
-        except Exception as e:  # a template may raise on e.g. a role order it does not allow
-            raise BadRequest(f"the chat template rejected the messages: {e}", "messages") from e
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        if opening:
-            ids = [*ids, *engine.tokenizer.encode(opening, add_special_tokens=False)]
-        return tuple(int(t) for t in ids)
-
     def chat_tools(req: oa.ChatCompletionRequest) -> ToolUse:
         """What the request does with tools, once the template is known to render what it holds."""
         can = abilities()
@@ -158,31 +139,6 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
             raise BadRequest(f"the chat template of {engine.model_name!r} does not render an assistant message's "
                              "tool_calls: serve it with a template that does (--chat-template)", "messages")
         return ToolUse(req, can)
-
-    def chat_prompt(req: oa.ChatCompletionRequest, tools: ToolUse) -> list[int]:
-        try:
-            msgs = [m.for_template() for m in req.messages]
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from e
-        tool_defs = [t.function.for_template() for t in req.tools] if req.tools else None
-        try:
-            key = orjson.dumps([msgs, tool_defs])
-        except TypeError as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
-            raise BadRequest(f"the messages could not be encoded: {e}", "messages") from e
-        return list(render_chat(key, req.add_generation_prompt, tools.opening))
-
-    def text_prompt(req: oa.CompletionRequest) -> list[int]:
-        p = req.single_prompt()
-        if isinstance(p, str):
-            try:
-                return list(engine.tokenizer.encode(p, add_special_tokens=False))
-            except Exception as e:  # e.g. lone surrogates that JSON allows but UTF-8 does not
-                raise BadRequest(f"the prompt could not be tokenized: {e}", "prompt") from e
-        vocab = int(getattr(engine, "vocab_size", len(engine.tokenizer)))
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}", "prompt")
-        return list(p)
 
     def choice_body(kind: str, ch: Choice, prompt_ids: list[int], top_n: int, want_lp: bool,
                     delta: str | None = None, new: slice | None = None, tools: ToolUse | None = None,
@@ -307,10 +263,14 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
     async def complete(kind: str, request: Request, req: oa.ChatCompletionRequest | oa.CompletionRequest):
         check_model(req.model)
         tools = chat_tools(req) if isinstance(req, oa.ChatCompletionRequest) else None
-        prompt_ids = chat_prompt(req, tools) if tools is not None else text_prompt(req)  # type: ignore[arg-type]
+        if tools is not None:
+            prompt_ids = await prompts.chat(req, tools.opening)  # type: ignore[arg-type]
+        else:
+            prompt_ids = await prompts.text(req)  # type: ignore[arg-type]
         params = sampling(req, prompt_ids)
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
+        handed_over = False  # to the streaming response, which releases when it ends
         try:
             # a request for weights not here yet is held by the engine (a version that never comes must not hold a
             # connection and a queue place forever: 409 after version_wait_s)
@@ -321,11 +281,14 @@ def openai_router(engine: Any, admission: Admission, auth: Auth, *, max_n: int |
                               version_wait_s=version_wait_s)
             if req.stream:
                 inc = bool(req.stream_options and req.stream_options.include_usage)
+                # a stream's 409 (version not reached) is raised here, before the response exists
                 stream = await run_stream(kind, gen, req.model, req.num_top_logprobs, want_lp, inc, tools)
-                return Releasing(stream, release)
+                response = Releasing(stream, release)
+                handed_over = True
+                return response
             return await run_full(kind, request, gen, req.model, req.num_top_logprobs, want_lp, req, tools)
         finally:
-            if not req.stream:
+            if not handed_over:  # every other way out: answered, refused, failed, cancelled
                 release()
 
     # ---- OpenAI API -------------------------------------------------------------------------------------------

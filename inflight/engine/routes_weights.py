@@ -19,11 +19,10 @@ from inflight.engine.weight_receiver import WeightUpdateError
 log = logging.getLogger("inflight.engine.server")
 
 
-def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, check_address: bool = True,
-                   own_port: int | None = None) -> APIRouter:
-    """The weight routes over `receiver` (`init_process_group(req[, connect_to])`, `update(req)`, `validate(req)`).
-    `check_address`: a process group's master must be an address this server may connect to (`own_port`, the port
-    we listen on, may not be named; guards.check_master_address), and the receiver connects to the address checked.
+def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, own_port: int | None = None) -> APIRouter:
+    """The weight routes over `receiver` (`init_process_group(req, connect_to)`, `update(req)`, `validate(req)`).
+    A process group's master must be an address this server may connect to (`own_port`, the port we listen on, may
+    not be named; guards.check_master_address), and the receiver connects to the address checked.
     `limits`: an engine whose parameter count caps an update's `params` list before it is validated (413)."""
     router = APIRouter(dependencies=[Depends(auth.key), Depends(auth.admin)])
 
@@ -45,17 +44,15 @@ def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, check_addre
 
     @router.post("/init_process_group")
     async def init_process_group(req: InitProcessGroupRequest, request: Request) -> dict[str, Any]:
-        connect: dict[str, Any] = {}
-        if check_address:
-            client = request.client.host if request.client else ""
-            try:  # getaddrinfo blocks: off the event loop
-                connect["connect_to"] = await asyncio.to_thread(check_master_address, req.master_address,
-                                                                req.master_port, client, own_port)
-            except ValueError as e:
-                log.warning("403 /init_process_group from %s: %s", client, e)
-                raise BadRequest(str(e), "master_address", status=403) from e
+        client = request.client.host if request.client else ""
+        try:  # getaddrinfo blocks: off the event loop
+            connect_to = await asyncio.to_thread(check_master_address, req.master_address, req.master_port, client,
+                                                 own_port)
+        except ValueError as e:
+            log.warning("403 /init_process_group from %s: %s", client, e)
+            raise BadRequest(str(e), "master_address", status=403) from e
         try:
-            return await receiver.init_process_group(req, **connect)
+            return await receiver.init_process_group(req, connect_to=connect_to)
         except WeightUpdateError as e:
             raise BadRequest(str(e), status=e.status) from e
         except Exception as e:  # rendezvous failed (timeout, unreachable store)
@@ -74,9 +71,10 @@ def weights_router(receiver: Any, auth: Auth, *, limits: Any = None, check_addre
 
     @router.post("/check_weight_update", dependencies=[Depends(update_limits), Depends(ipc_local_only)])
     async def check_weight_update(req: WeightUpdateRequest) -> dict[str, Any]:
-        """Optional dry run: the same checks as /request_weight_update, nothing received or changed."""
-        try:
-            receiver.validate(req)
+        """Optional dry run: the checks /request_weight_update makes before receiving anything (the version rule, the
+        announcement or a file's header, a segment's header), nothing received or changed."""
+        try:  # reads a file's or a segment's header: off the event loop
+            await asyncio.to_thread(receiver.validate, req)
         except WeightUpdateError as e:
             raise BadRequest(str(e), status=e.status) from e
         return {"ok": True}

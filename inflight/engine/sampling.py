@@ -4,7 +4,8 @@ Logprob convention (the `mu` logprobs an RL trainer uses as behaviour policy):
 - temperature > 0: log-probability under the distribution actually sampled from: logits / temperature,
   restricted to the top-k and top-p (nucleus) set, renormalised over that set.
 - temperature == 0 (greedy): the token is the argmax and its logprob is the plain temperature-1 log-softmax
-  (top-k / top-p ignored), since the "sampled" distribution would be a point mass (logprob 0).
+  (top-k / top-p ignored), since the "sampled" distribution would be a point mass (logprob 0). A temperature
+  below GREEDY_BELOW is greedy too (as vLLM): logits / 1e-39 overflow float32 to inf, whose softmax is NaN.
 `top_logprobs` are taken from the same distribution as the logprob; tokens outside the top-k/top-p set are left
 out (they have probability 0).
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 @dataclass
@@ -35,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0  # admission order among waiting requests: lower first, then arrival
     prompt_logprobs: int | None = None  # score the prompt (prompt_scores.py) with this many alternatives
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < GREEDY_BELOW:  # every sampler reads the field: one place makes them all greedy
+            self.temperature = 0.0
 
     def check(self, max_n: int) -> None:
         """Raises ValueError naming the first bad field."""

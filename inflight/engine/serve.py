@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=-1,
                    help="sequences that may wait beyond --max-batch; more get HTTP 429 (default -1: no limit)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get HTTP 413")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a connection whose request headers are not complete in this time is closed")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request body not received in this time gets HTTP 408 and its connection closed")
     p.add_argument("--reject-nonfinite", action=argparse.BooleanOptionalAction, default=True,
                    help="refuse weight updates holding NaN/Inf (checked after receiving, before applying)")
     p.add_argument("--version-wait-s", type=float, default=300.0,
@@ -121,7 +125,8 @@ def build_app(args: argparse.Namespace):
     app = create_app(engine, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin, device=args.device,
                      max_waiting=None if args.max_waiting < 0 else args.max_waiting,
                      max_body_bytes=args.max_body_bytes, reject_nonfinite=args.reject_nonfinite, own_port=args.port,
-                     version_wait_s=args.version_wait_s, tool_call_parser=parser)
+                     version_wait_s=args.version_wait_s, tool_call_parser=parser,
+                     body_timeout_s=getattr(args, "body_timeout_s", 30.0))
     if getattr(args, "adapter", None):
         from inflight.modelkit.peft_adapter import read_peft_adapter  # lazy: only with --adapter
 
@@ -136,9 +141,13 @@ def build_app(args: argparse.Namespace):
 def serve_app(app, args: argparse.Namespace) -> None:
     import uvicorn  # lazy: start-up cost (0.3 s) of `serve --help`
 
-    # One worker process: the engine owns the model; a big backlog so 1,000 concurrent clients can connect.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, backlog=4096,
-                timeout_keep_alive=30)
+    from inflight.engine.http_server import uvicorn_config  # lazy: imports uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           header_timeout_s=getattr(args, "header_timeout_s", 10.0)))
+    server.run()
+    if not server.started:  # as uvicorn.run: the port was taken, or the app failed to start
+        raise SystemExit(3)
 
 
 class ServerProcess:

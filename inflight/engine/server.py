@@ -34,9 +34,11 @@ def _no_telemetry() -> dict[str, Any]:
 
 
 def base_app(engine: Any, *, manage_engine: bool = True, max_body_bytes: int = 8 * 2**20,
-             version_wait_s: float = 300.0) -> FastAPI:
+             version_wait_s: float = 300.0, api_key: str | None = None, body_timeout_s: float = 30.0) -> FastAPI:
     """An app with no routes yet: the engine's lifespan (`manage_engine`: started with the app, stopped at
-    shutdown), the body limit (413) and the error handlers. Backends add the routers they serve."""
+    shutdown), the server's edge (guards.BodyLimit: the API key checked before a body is read, so on every route but
+    /health, FastAPI's /docs, /redoc and /openapi.json included; 413; 408 after `body_timeout_s`) and the error
+    handlers. Backends add the routers they serve."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,7 +50,7 @@ def base_app(engine: Any, *, manage_engine: bool = True, max_body_bytes: int = 8
             engine.stop()
 
     app = FastAPI(title="inflight engine", lifespan=lifespan, **_no_telemetry())
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, api_key=api_key, body_timeout_s=body_timeout_s)
     install_error_handlers(app, version_wait_s)
     return app
 
@@ -56,14 +58,16 @@ def base_app(engine: Any, *, manage_engine: bool = True, max_body_bytes: int = 8
 def create_app(engine: Any, api_key: str | None = None, *, allow_remote_admin: bool = False,
                max_n: int | None = None, manage_engine: bool = True, device: str = "cpu",
                max_waiting: int | None = None, max_body_bytes: int = 8 * 2**20, reject_nonfinite: bool = True,
-               own_port: int | None = None, version_wait_s: float = 300.0, tool_call_parser: str = "auto") -> FastAPI:
+               own_port: int | None = None, version_wait_s: float = 300.0, tool_call_parser: str = "auto",
+               body_timeout_s: float = 30.0) -> FastAPI:
     """The server app. `manage_engine`: start the engine with the app and stop it at shutdown.
     Protections (docs/reliability.md): `max_waiting` sequences may queue beyond the running batch (None: no
-    limit), more get 429; bodies over `max_body_bytes` get 413; `reject_nonfinite` refuses weight updates holding
-    NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group master port; a request whose
-    `min_weight_version` the weights have not reached within `version_wait_s` gets 409. `tool_call_parser` reads
-    tool calls out of chat replies (routes_openai.py)."""
-    app = base_app(engine, manage_engine=manage_engine, max_body_bytes=max_body_bytes, version_wait_s=version_wait_s)
+    limit), more get 429; bodies over `max_body_bytes` get 413, slower than `body_timeout_s` 408; `reject_nonfinite`
+    refuses weight updates holding NaN/Inf; `own_port` (the port we listen on) may not be named as a process-group
+    master port; a request whose `min_weight_version` the weights have not reached within `version_wait_s` gets 409.
+    `tool_call_parser` reads tool calls out of chat replies (routes_openai.py)."""
+    app = base_app(engine, manage_engine=manage_engine, max_body_bytes=max_body_bytes, version_wait_s=version_wait_s,
+                   api_key=api_key, body_timeout_s=body_timeout_s)
     receiver = WeightReceiver(engine, device=device, reject_nonfinite=reject_nonfinite)
     app.state.receiver = receiver
     admission = Admission(int(getattr(engine, "max_batch", 128)), max_waiting)

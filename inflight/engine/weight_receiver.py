@@ -2,30 +2,37 @@
 receive it (broadcasts from rank 0, a shared-memory segment of the same host, or a safetensors file), and hand it to
 the engine all at once.
 
-Rules (docs/inference-contract.md): an announcement is checked against `engine.param_specs()` before anything is
-received — unknown name, a tied alias (the shared tensor travels once, under its canonical name), wrong shape,
-wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing changes. A subset of the parameters is a valid (partial) update. Tensors land in fresh buffers while the engine
-keeps generating; the engine then swaps them in with one `load_weights` call inside `run_paused` (the only pause),
-so the model is never half-updated.
+Rules (docs/inference-contract.md; the checks themselves: update_checks.py): an announcement is checked against
+`engine.param_specs()` before anything is received — unknown name, a tied alias (the shared tensor travels once,
+under its canonical name), wrong shape, wrong dtype or a duplicate is a `WeightUpdateError` (HTTP 400) and nothing
+changes; a file's tensors are checked from its header first. A version older than the one served is a 409 on every
+transport (checked at once, and again under the update lock). A subset of the parameters is a valid (partial)
+update. Tensors land in fresh buffers while the engine keeps generating; the engine then swaps them in with one
+`load_weights` call inside `run_paused` (the only pause), so the model is never half-updated.
 With `reject_nonfinite` (default), a tensor holding NaN or Inf rejects the whole update (400) after it has been
 received and before anything is applied: the weights stay as they were. The check is one fused reduction per update
-(one host sync, not one per tensor); only a non-finite total looks at each tensor, to name them.
-A shared-memory update is copied once by the server: its header is checked at once (format, version, the
+(one host sync, not one per tensor); only a non-finite total looks at each tensor, to name them. An adapter update
+is checked again after its merge: finite A and B whose W0 + scaling * B @ A overflows are refused the same way.
+A shared-memory update is copied once by the server, and what is checked is that copy: the trainer keeps the segment
+writable (also a lent one), so nothing is read from it twice. Its header is checked at once (format, version, the
 announcement's digest) and the segment is mapped. The trainer may still be writing it (shm_weights.py, format 2):
 on the built-in llama path on CPU (`runner.double_buffer`) each tensor is copied into the runner's spare storage as
 soon as the trainer has written it, while the engine keeps generating, checked for NaN/Inf in the same pass
-(`LlamaRunner.stage`), so the two copies of a push overlap (a segment the trainer lends is not copied: the model
-computes from it, read once for the check); the pause only re-points the model at that storage
+(`LlamaRunner.stage`), so the two copies of a push overlap; the pause only re-points the model at that storage
 (measured on SmolLM2's 538 MB: the copy in the pause, and the wait for the step boundary before it, were most of a
-push; docs/benchmarks.md). Elsewhere the server waits for the complete segment, checks it for NaN/Inf in place and
-the pause copies the tensors from it into the model. Nothing is applied before the segment is complete with the
-announced header; a trainer that abandons the update or stops writing (no progress for INFLIGHT_SHM_STALL_S) is a
-409, nothing applied. The trainer writes the segment again only after every server answered.
+push; docs/benchmarks.md). What stage() does not take (and everything elsewhere) is copied out of the complete
+segment into fresh memory, checked as it is copied, and the pause copies it into the model. Nothing is applied
+before the segment is complete with the announced header; a trainer that abandons the update or stops writing (no
+progress for INFLIGHT_SHM_STALL_S) is a 409, nothing applied. The trainer writes the segment again only after every
+server answered.
 
-A new `/init_process_group` supersedes a receive still blocked on the old group: the trainer forms a group again
-only after it gave up on the old one, and a gloo receive whose sender is gone may not fail before the group timeout.
-The update then answers 409 at once (nothing applied) and the server joins the new group; the blocked receive is
-left to end on its own, and it never touches the new group.
+A join runs in a thread of its own and holds no lock: file, shm and ipc updates go on while a rendezvous waits
+(broadcasts answer 409 until it is done), and a newer `/init_process_group` supersedes it (the older request
+answers 409 at once; its thread ends by its timeout and never builds a group). A join also supersedes a receive
+still blocked on the old group: the trainer forms a group again only after it gave up on the old one, and a gloo
+receive whose sender is gone may not fail before the group timeout. The update then answers 409 at once (nothing
+applied) and the server joins the new group; the blocked receive is left to end on its own, and it never touches
+the new group.
 """
 
 from __future__ import annotations
@@ -34,137 +41,26 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import os
+import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch.distributed import ProcessGroupGloo, TCPStore
 
-from inflight.contracts import (LORA_SUFFIXES, AdapterSpec, InitProcessGroupRequest, ParamInfo, WeightUpdateRequest,
-                                adapter_pairs, bucket_layout, packed_bytes, shm_layout)
+from inflight.contracts import (AdapterSpec, InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout,
+                                packed_bytes, shm_layout)
 from inflight.engine.adapter_merge import AdapterState, bases_of
 from inflight.engine.ipc_receiver import IpcReceiver
+from inflight.engine.update_checks import (WeightUpdateError, check_announced, check_finite, check_shm, check_tensors,
+                                           check_version, file_params, read_file, refuse_nonfinite)
 from inflight.cuda_ipc import IpcError
-from inflight.finite import nonfinite
-from inflight.shm_weights import (SegmentWatch, ShmError, ShmMapping, announcement_digest, check_segment,
-                                  wait_complete)
+from inflight.finite import private_copies
+from inflight.shm_weights import SegmentWatch, ShmError, ShmMapping, announcement_digest
 
+__all__ = ["WeightReceiver", "WeightUpdateError", "check_finite", "unpack"]
 log = logging.getLogger("inflight.engine.weights")
-
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class WeightUpdateError(ValueError):
-    """The announcement does not fit the model (HTTP 400) — or, with status 409, the receiver is not ready."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-def check_params(params: list[ParamInfo], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 aliases: dict[str, str] | None = None) -> None:
-    """Raise WeightUpdateError naming every problem of the announced list (empty list of problems = fine).
-    `aliases`: {alias: canonical name} of tied parameters (contracts.tied_aliases); an alias is refused with a
-    message naming the one name the shared tensor travels under."""
-    problems, seen = [], set()
-    for p in params:
-        if p.name in seen:
-            problems.append(f"duplicate tensor {p.name!r}")
-            continue
-        seen.add(p.name)
-        if aliases and p.name in aliases:
-            problems.append(f"{p.name!r} is tied to {aliases[p.name]!r} (one tensor): send it once, under "
-                            f"{aliases[p.name]!r}, and leave out {p.name!r}")
-            continue
-        if p.name not in specs:
-            problems.append(f"unknown tensor {p.name!r}")
-            continue
-        shape, dtype = specs[p.name]
-        if tuple(p.shape) != tuple(shape):
-            problems.append(f"{p.name}: shape {list(p.shape)} != model's {list(shape)}")
-        if DTYPES[p.dtype] != dtype:
-            problems.append(f"{p.name}: dtype {p.dtype} != model's {DTYPE_NAMES.get(dtype, str(dtype))}")
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
-        raise WeightUpdateError(f"weight update rejected: {shown}")
-
-
-def check_adapter(params: list[ParamInfo], adapter: AdapterSpec,
-                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  aliases: dict[str, str] | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """An adapter update's announcement against the model (docs/inference-contract.md, "Adapter updates"): the
-    pairs of contracts.adapter_pairs, each base a 2-D parameter of the model (not a tied alias) with A [rank, in]
-    and B [out, rank] of its [out, in], in its dtype. Raises WeightUpdateError naming every problem; returns the
-    {tensor name: (shape, dtype)} to receive."""
-    problems = []
-    try:
-        adapter_pairs(params, adapter.rank)
-    except ValueError as e:
-        problems.append(str(e))
-    recv: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for p in params:
-        suffix = next((s for s in LORA_SUFFIXES if p.name.endswith(s)), None)
-        if suffix is None:
-            continue  # named by adapter_pairs
-        base = p.name[: -len(suffix)]
-        if aliases and base in aliases:
-            problems.append(f"{p.name!r}: base {base!r} is tied to {aliases[base]!r} (one tensor): adapt it under "
-                            f"{aliases[base]!r}")
-            continue
-        if base not in specs:
-            problems.append(f"{p.name!r}: unknown base weight {base!r}")
-            continue
-        shape, dtype = specs[base]
-        if len(shape) != 2:
-            problems.append(f"{p.name!r}: base {base!r} has shape {list(shape)}, not a matrix [out, in]")
-            continue
-        if len(p.shape) == 2:
-            want = shape[1] if suffix == ".lora_A" else shape[0]
-            got = p.shape[1] if suffix == ".lora_A" else p.shape[0]
-            if got != want:
-                problems.append(f"{p.name}: shape {list(p.shape)} does not fit base {base} {list(shape)} (lora_A is "
-                                f"[rank, {shape[1]}], lora_B is [{shape[0]}, rank])")
-        if DTYPES[p.dtype] != dtype:
-            problems.append(f"{p.name}: dtype {p.dtype} != model's {DTYPE_NAMES.get(dtype, str(dtype))}")
-        recv[p.name] = (tuple(p.shape), DTYPES[p.dtype])
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
-        raise WeightUpdateError(f"adapter update rejected: {shown}; nothing changed")
-    return recv
-
-
-def _infos(tensors: dict[str, torch.Tensor]) -> list[ParamInfo]:
-    bad_dtype = [n for n, t in tensors.items() if t.dtype not in DTYPE_NAMES]
-    if bad_dtype:
-        raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad_dtype[:5]}")
-    if not tensors:
-        raise WeightUpdateError("weight update rejected: the file holds no tensors")
-    return [ParamInfo(name=n, shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype]) for n, t in tensors.items()]
-
-
-def check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    """Raise WeightUpdateError naming the tensors that hold NaN or Inf (one fused reduction: inflight/finite.py)."""
-    bad = nonfinite(tensors)
-    if bad:
-        refuse_nonfinite(bad)
-
-
-def refuse_nonfinite(bad: list[str]) -> None:
-    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    raise WeightUpdateError(f"weight update rejected: NaN or Inf values in {bad[:5]}{more}; nothing applied")
-
-
-def check_tensors(tensors: dict[str, torch.Tensor], specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  aliases: dict[str, str] | None = None, adapter: AdapterSpec | None = None) -> None:
-    if adapter is not None:
-        check_adapter(_infos(tensors), adapter, specs, aliases)
-    else:
-        check_params(_infos(tensors), specs, aliases)
+MAX_JOINS_WAITING = 4  # rendezvous threads a server keeps waiting at once (each ends by its timeout_s at the latest)
 
 
 class WeightReceiver:
@@ -178,8 +74,11 @@ class WeightReceiver:
         self.group: Any = None
         self.rank = -1
         self.world_size = 0
-        self._lock = asyncio.Lock()  # one update (or join) at a time
+        self._lock = asyncio.Lock()  # one update at a time
         self._superseded: asyncio.Event | None = None  # set by a join while an update is receiving
+        self._joins = 0  # joins started: only the latest one may install its group
+        self._joining: asyncio.Event | None = None  # the join waiting for its rendezvous (set: superseded)
+        self._join_threads = 0  # rendezvous threads still running, superseded ones included
         self._shm = ShmMapping()  # the trainer's segment, mapped once while it reuses it
         self.ipc = IpcReceiver(device)  # the trainer's device buffer (cuda_ipc), opened once while it keeps it
         self.adapters = AdapterState()  # W0 of adapted weights, the adapter being served (adapter_merge.py)
@@ -193,26 +92,75 @@ class WeightReceiver:
             raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server has none (use 'gloo')")
+        if self._join_threads >= MAX_JOINS_WAITING:  # a thread per join: never an unbounded number of them
+            raise WeightUpdateError(f"{self._join_threads} process-group joins are still waiting for their "
+                                    "rendezvous (each ends by its timeout_s); retry later", status=409)
         if self._superseded is not None:
             self._superseded.set()  # the receive in progress is on the group this join replaces
-        async with self._lock:
-            # Joining blocks until every rank has connected: run it in a thread, never on the event loop.
-            self.group = await asyncio.to_thread(_join_group, req, connect_to or req.master_address)
-            self.rank, self.world_size = req.rank_offset, req.world_size
+        if self._joining is not None:
+            self._joining.set()  # so is a join still waiting: the trainer gave up on it
+        self._joins += 1
+        seq, mine = self._joins, asyncio.Event()
+        self._joining = mine
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(group: Any, error: BaseException | None) -> None:
+            self._join_threads -= 1
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(group)
+
+        def join() -> None:  # a thread of its own: a long rendezvous never occupies the default executor
+            group, error = None, None
+            try:
+                group = _join_group(req, connect_to or req.master_address, lambda: self._joins == seq)
+            except BaseException as e:  # reported to the request (500), or dropped if it was superseded
+                error = e
+            with contextlib.suppress(RuntimeError):  # the server shut down while this join waited
+                loop.call_soon_threadsafe(settle, group, error)
+
+        self._join_threads += 1
+        threading.Thread(target=join, name="inflight-join", daemon=True).start()
+        log.info("joining weight group %s via %s:%d (rank %d of %d, waiting up to %gs for the rendezvous)",
+                 req.group_name, req.master_address, req.master_port, req.rank_offset, req.world_size, req.timeout_s)
+        stop = asyncio.ensure_future(mine.wait())
+        try:
+            await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if self._joining is mine:
+                self._joining = None
+        if self._joins != seq:
+            done.add_done_callback(lambda f: f.exception())  # nobody waits for it any more
+            log.warning("join of weight group via %s:%d superseded by a newer /init_process_group",
+                        req.master_address, req.master_port)
+            raise WeightUpdateError("superseded by a newer /init_process_group while waiting for the rendezvous; "
+                                    "this join was given up", status=409)
+        self.group = done.result()  # the join's error, if it failed (the route answers 500)
+        self.rank, self.world_size = req.rank_offset, req.world_size
         log.info("joined weight group %s: rank %d of %d via %s:%d (%s)", req.group_name, req.rank_offset,
                  req.world_size, req.master_address, req.master_port, req.backend)
         return {"rank": self.rank, "world_size": self.world_size, "backend": req.backend}
 
     # ---- updates ----------------------------------------------------------------------------------------------
     def validate(self, req: WeightUpdateRequest) -> None:
-        if req.params is not None:
-            if self.group is None and req.shm is None and req.ipc is None:
+        """Every check that needs nothing received (also the dry run /check_weight_update): the version rule, the
+        announcement (or a file's header) against the model, a segment's header, an ipc handle."""
+        check_version(req.version, self.engine.version, req.new_run)
+        if req.path is not None:
+            check_announced(file_params(req.path), req.adapter, self.engine.param_specs(), self.aliases)
+            return
+        if req.shm is None and req.ipc is None:
+            if self._joining is not None:
+                raise WeightUpdateError("a /init_process_group is waiting for its rendezvous: broadcast updates "
+                                        "wait for the new group", status=409)
+            if self.group is None:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
-            self._receive_specs(req)
-            if req.shm is not None:
-                check_shm(req)
-            if req.ipc is not None:
-                self._ipc(self.ipc.validate, req)
+        self._receive_specs(req)
+        if req.shm is not None:
+            check_shm(req)
+        if req.ipc is not None:
+            self._ipc(self.ipc.validate, req)
 
     def _ipc(self, fn, req: WeightUpdateRequest) -> Any:
         try:
@@ -223,11 +171,7 @@ class WeightReceiver:
 
     def _receive_specs(self, req: WeightUpdateRequest) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Check the announced tensors (400 naming every problem); their {name: (shape, dtype)} to receive."""
-        specs = self.engine.param_specs()
-        if req.adapter is not None:
-            return check_adapter(req.params or [], req.adapter, specs, self.aliases)
-        check_params(req.params or [], specs, self.aliases)
-        return specs
+        return check_announced(req.params or [], req.adapter, self.engine.param_specs(), self.aliases)
 
     @contextlib.asynccontextmanager
     async def _incoming(self) -> AsyncIterator[None]:
@@ -238,36 +182,43 @@ class WeightReceiver:
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
         """Validate at once (raises before receiving anything), then receive and apply at a step boundary."""
-        self.validate(req)
+        await asyncio.to_thread(self.validate, req)  # may read a file's or a segment's header
         if self._lock.locked():
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock, self._incoming():
-            if req.ipc is not None and req.version == self.engine.version:  # a retry of what we hold (cuda_ipc.py)
+            check_version(req.version, self.engine.version, req.new_run)  # again: one may have been applied meanwhile
+            if req.ipc is not None and req.version == self.engine.version and not req.new_run:  # a retry (cuda_ipc.py)
                 log.info("weight update v%d: already held, nothing copied", req.version)
                 return {"version": req.version, "pause_s": 0.0, "applied": False}
             t0 = time.perf_counter()
             if req.path is not None:
-                tensors = await asyncio.to_thread(_read_file, req.path)  # read before pausing
+                tensors = await asyncio.to_thread(read_file, req.path)  # read before pausing
                 check_tensors(tensors, self.engine.param_specs(), self.aliases, req.adapter)
             elif req.ipc is not None:  # views of the trainer's device buffer: copied in, in place, in the pause
                 tensors = await asyncio.to_thread(self._ipc, self.ipc.tensors, req)
-            elif req.shm is not None:  # views of the segment (maybe still being written): copied in from there
+            elif req.shm is not None:  # views of the segment (maybe still being written): copied out once, below
                 tensors, watch = await asyncio.to_thread(self._map_shm, req)
             else:  # received while the engine keeps generating (on the old weights); it pauses only to apply
                 tensors = await self._receive_unless_superseded(req.params or [], self._receive_specs(req),
                                                                 req.version, req.bucket_bytes)
-            adapter, prepared, unstaged = req.adapter, [], tensors
+            adapter, prepared, unstaged, checked = req.adapter, [], tensors, False
             runner = self.engine.runner
             if req.shm is not None:
                 if adapter is None and getattr(runner, "double_buffer", False):
                     # copied (and checked) into the runner's spare storage while the engine generates, each
                     # tensor once the trainer has written it: the pause only re-points the model at it
                     prepared, unstaged, bad = await self._follow(req, runner.stage, tensors, self.reject_nonfinite,
-                                                                 watch.ready, req.shm.lend)
+                                                                 watch.ready)
                     if bad:
                         refuse_nonfinite(bad)
                 await self._follow(req, watch.wait_complete)  # the rest is read only from a complete segment
-            if self.reject_nonfinite:  # a broadcast was received whole: the group stays in step
+                # ... and only once: the trainer can still write the segment (a lent one too), so what is checked
+                # and applied is a copy of our own, never the segment read again
+                unstaged, bad = await asyncio.to_thread(private_copies, unstaged, self.reject_nonfinite)
+                if bad:
+                    refuse_nonfinite(bad)
+                tensors, checked = {**tensors, **unstaged}, True
+            if self.reject_nonfinite and not checked:  # a broadcast was received whole: the group stays in step
                 await asyncio.to_thread(check_finite, unstaged)
             read_s = time.perf_counter() - t0
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -275,6 +226,8 @@ class WeightReceiver:
             if adapter is not None:  # merged off the engine thread, into new buffers: the pause only swaps them
                 load = await asyncio.to_thread(self.adapters.merged, dict(self.engine.model.named_parameters()),
                                                tensors, adapter.scaling)
+                if self.reject_nonfinite:  # finite A and B can still overflow W0 + scaling * B @ A
+                    await asyncio.to_thread(check_finite, load, "the merged weights W0 + scaling * B @ A of ")
                 prepare = getattr(self.engine.runner, "prepare_swap", None)  # the fast llama path's fused storage
                 if prepare is not None:
                     prepared, load = await asyncio.to_thread(prepare, load)  # what it cannot swap is copied
@@ -303,13 +256,11 @@ class WeightReceiver:
         total_s = time.perf_counter() - t0
         self.last_update = {"version": req.version, "pause_s": pause_s, "bytes": nbytes, "seconds": total_s,
                             "receive_s": read_s, "merge_s": prepare_s if adapter else 0.0,
-                            "staged": 0 if adapter else len(prepared),
-                            "lent": sum(1 for _, _, lent in prepared if lent)}  # prepare_swap never lends
+                            "staged": 0 if adapter else len(prepared)}
         transport = "file" if req.path else "shm" if req.shm else "ipc" if req.ipc else "broadcast"
-        lent = self.last_update["lent"]
         what = (f"adapter rank {adapter.rank}, {len(prepared)} matrices swapped + {len(load)} copied (merged in "
-                f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged ({lent} read in place "
-                f"from the lent segment) + {len(load)} copied" if prepared else "full")
+                f"{prepare_s:.3f}s)" if adapter else f"full, {len(prepared)} matrices staged + {len(load)} copied"
+                if prepared else "full")
         log.info("weight update v%d: %s, %s, %d tensors, %.1f MB, mode=%s, paused %.3fs, total %.3fs (received in "
                  "%.3fs, waited %.3fs for a step boundary)", req.version, transport, what, ntensors, nbytes / 1e6,
                  req.mode, pause_s, total_s, read_s, started[0] - asked)
@@ -330,6 +281,8 @@ class WeightReceiver:
             check_finite(tensors)
         params = dict(self.engine.model.named_parameters())
         load = self.adapters.merged(params, tensors, scaling)
+        if self.reject_nonfinite:
+            check_finite(load, "the merged weights W0 + scaling * B @ A of ")
         with torch.no_grad():
             for name, t in load.items():
                 params[name].data.copy_(t)  # in place: the fast path's fused matrices are these tensors
@@ -411,29 +364,6 @@ class WeightReceiver:
         return received
 
 
-def check_shm(req: WeightUpdateRequest) -> None:
-    """The segment's header must announce exactly this version of exactly these tensors, being written or complete
-    (400 otherwise)."""
-    assert req.shm is not None and req.params is not None
-    _, data_bytes = shm_layout(req.params)
-    try:
-        check_segment(req.shm.path, req.shm.bytes, req.version, data_bytes, announcement_digest(req.params))
-    except ShmError as e:
-        raise WeightUpdateError(f"weight update rejected: {e}") from None
-
-
-def wait_shm(req: WeightUpdateRequest) -> None:
-    """check_shm, then wait until the trainer has completed the segment (409 if it abandoned it or stopped
-    writing): for readers that take a segment only whole."""
-    check_shm(req)
-    assert req.shm is not None and req.params is not None
-    _, data_bytes = shm_layout(req.params)
-    try:
-        wait_complete(req.shm.path, req.version, data_bytes, announcement_digest(req.params))
-    except ShmError as e:
-        raise WeightUpdateError(f"weight update rejected: {e}; nothing applied", status=409) from None
-
-
 def unpack(buf: torch.Tensor, offset: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """The tensor of `shape` and `dtype` at byte `offset` of a flat uint8 bucket (a view, no copy)."""
     n = dtype.itemsize * _numel(shape)
@@ -453,10 +383,13 @@ def _bcast_opts(root: int) -> Any:
     return opts
 
 
-def _join_group(req: InitProcessGroupRequest, address: str) -> Any:
-    """Build the group on the trainer's TCPStore, without a key prefix and without a default group."""
+def _join_group(req: InitProcessGroupRequest, address: str, current: Callable[[], bool]) -> Any:
+    """Build the group on the trainer's TCPStore, without a key prefix and without a default group. `current()`
+    false: a newer join superseded this one while it connected, so it takes no part in the rendezvous (None)."""
     timeout = datetime.timedelta(seconds=req.timeout_s)
     store = TCPStore(address, req.master_port, req.world_size, is_master=False, timeout=timeout)
+    if not current():
+        return None
     if req.backend == "gloo":
         return ProcessGroupGloo(store, req.rank_offset, req.world_size, timeout)
     from torch.distributed import ProcessGroupNCCL  # lazy: only in CUDA builds of torch (same rendezvous)
@@ -464,16 +397,3 @@ def _join_group(req: InitProcessGroupRequest, address: str) -> Any:
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return ProcessGroupNCCL(store, req.rank_offset, req.world_size, opts)
-
-
-def _read_file(path: str) -> dict[str, torch.Tensor]:
-    """safetensors only (never pickle): a plain file that the server process can read."""
-    if not os.path.isabs(path):
-        raise WeightUpdateError(f"path must be absolute: {path!r}")
-    if not os.path.isfile(path):
-        raise WeightUpdateError(f"no such file: {path!r}")
-    try:
-        return load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise WeightUpdateError(f"not a readable safetensors file: {path!r} ({e})") from e
-

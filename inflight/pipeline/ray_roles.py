@@ -22,6 +22,7 @@ import uvicorn
 
 from inflight.config.engine import ServerConfig
 from inflight.engine import serve
+from inflight.engine.http_server import uvicorn_config
 from inflight.pipeline import roles
 from inflight.pipeline.launch_common import server_argv
 from inflight.pipeline.metrics import MetricsLogger
@@ -75,8 +76,8 @@ class ServerActor:
             log.log("server_restart", server=k, node_ip=ip, pid=os.getpid())
             log.close()
             print(f"server{k}: restarted by Ray on {ip}; waiting for the current weights", flush=True)
-        config = uvicorn.Config(app, host=ip, port=args.port, log_level=args.log_level, access_log=False,
-                                backlog=4096, timeout_keep_alive=30)
+        config = uvicorn_config(app, host=ip, port=args.port, log_level=args.log_level,
+                                header_timeout_s=args.header_timeout_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name=f"server{k}", daemon=True)
         self._thread.start()

@@ -1,4 +1,5 @@
-"""`inflight report RUN_DIR [RUN_DIR ...]`: report.html with PNG plots from the runs' metrics.jsonl.
+"""`inflight report RUN_DIR [RUN_DIR ...]`: report.html with PNG plots from the runs' metrics.jsonl (without
+matplotlib installed: the tables, replies and configs, and a line saying the plots are missing).
 
 With one run the report goes into that run's folder; with several, every plot draws all runs on the same axes
 (e.g. pipelined vs sync) and the report goes into the first run's folder unless --out says otherwise.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -226,9 +228,13 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
                         for v in row.values())
         table += f"<tr>{cells}</tr>"
     body = [f"<h1>inflight report: {html.escape(', '.join(r.name for r in runs))}</h1>", f"<table>{table}</table>"]
-    for name in PLOTS:
-        png = _plot(name, runs, plots)
-        body.append(f"<h2>{TITLES[name]}</h2><img src='plots/{png.name}'>")
+    if importlib.util.find_spec("matplotlib") is None:  # a machine without it still gets the tables
+        body.append("<p>No plots: matplotlib is not installed (<code>pip install matplotlib</code>, then "
+                    "<code>inflight report RUN_DIR</code>).</p>")
+    else:
+        for name in PLOTS:
+            png = _plot(name, runs, plots)
+            body.append(f"<h2>{TITLES[name]}</h2><img src='plots/{png.name}'>")
     for run in runs:
         body.append(replies_html(run))
     for run in runs:

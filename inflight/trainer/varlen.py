@@ -10,14 +10,20 @@ Shared prompts (prefix.py): each sample's row is [its context; its own suffix] o
 and queries are gathered row after row (a shared context is read into every row that needs it, as the bucket path
 does), the rows are the varlen call's sequences, and each compact token's output is written back from one row only.
 
-Where the kernel does not run (CPU, or a torch without it) the call falls back to attention.py's path: the
-results are the same attention. `CPU_KERNEL` (None) lets the tests run this module's layout code on CPU with a
+The kernel runs in the compute dtype (autocast's under bf16-mixed), whatever dtype RoPE hands q / k over in, and
+is called with the keywords the installed torch's `varlen_attn` has (`call_varlen`). Where it does not run (CPU,
+float32 on CUDA, or a torch without it) the call falls back to attention.py's path: the results are the same
+attention; `CALLS` counts the layer calls by path. `CPU_KERNEL` (None) lets the tests run this module's layout code on CPU with a
 reference kernel of the same signature.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import inspect
 import itertools
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,8 @@ from inflight.trainer.attention import packed_mask, packed_sdpa
 
 NAME = "inflight_varlen"
 CPU_KERNEL = None  # tests: a kernel(q, k, v, cu, max_len, scale) -> out on CPU; None: attention.py's path
+CALLS: collections.Counter[str] = collections.Counter()  # layer calls by path, "kernel" or "fallback" (the GPU
+# bench reports which one its steps ran)
 
 
 def available(device: torch.device | str = "cuda") -> bool:
@@ -41,17 +49,59 @@ def available(device: torch.device | str = "cuda") -> bool:
     return torch.cuda.is_available()
 
 
-def _kernel(q: torch.Tensor):
-    if q.device.type == "cuda" and available("cuda"):
-        return _cuda_varlen if q.dtype in (torch.float16, torch.bfloat16) else None  # flash: half precision
-    return CPU_KERNEL if q.device.type == "cpu" else None
+HALF = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's where it is on (SDPA would cast to it too), else the inputs'.
+    Not the query's own: with float32 master weights under autocast, RoPE multiplies the bf16 q / k by float32
+    cos / sin and hands them over in float32, while v (no RoPE) is bf16."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(query.dtype, value.dtype)
+
+
+def _kernel(device: torch.device, dtype: torch.dtype):
+    if device.type == "cuda":
+        return _cuda_varlen if dtype in HALF and available("cuda") else None  # flash: half precision only
+    return CPU_KERNEL if device.type == "cpu" else None
+
+
+@functools.lru_cache(maxsize=8)
+def _keywords(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def call_varlen(fn: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """`fn` (torch's varlen_attn) over every sequence of the row, causal, with the keywords this torch has:
+    `enable_gqa` is newer than torch 2.11 (without it the kv heads are repeated here), older builds take
+    `is_causal` instead of `window_size`, and without `scale` the query is scaled here (the kernel's default
+    1 / sqrt(D) undone)."""
+    kw = _keywords(fn)
+    extra: dict[str, Any] = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in kw:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if "window_size" in kw:
+        extra["window_size"] = (-1, 0)  # causal
+    else:
+        extra["is_causal"] = True
+    if "scale" in kw:
+        extra["scale"] = scale
+    else:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return fn(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
 def _cuda_varlen(q, k, v, cu, max_len, scale):
     from torch.nn.attention.varlen import varlen_attn  # lazy: optional, torch >= 2.9 builds only
 
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    return call_varlen(varlen_attn, q, k, v, cu, max_len, scale)
 
 
 def reference_varlen(q, k, v, cu, max_len, scale):
@@ -69,12 +119,15 @@ def reference_varlen(q, k, v, cu, max_len, scale):
 def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                 cu_seq_lens_q=None, inflight_layout=None, **kwargs):
     """transformers attention function: query [1, H, T, D], key / value [1, KV, T, D] -> ([1, T, H, D], None)."""
-    kernel = _kernel(query) if dropout == 0.0 else None
+    dtype = compute_dtype(query, value)
+    kernel = _kernel(query.device, dtype) if dropout == 0.0 else None
     if kernel is None or (cu_seq_lens_q is None and inflight_layout is None) or query.shape[0] != 1:
+        CALLS["fallback"] += 1
         return packed_sdpa(module, query, key, value, attention_mask, dropout, scaling,
                            cu_seq_lens_q=cu_seq_lens_q, inflight_layout=inflight_layout, **kwargs)
+    CALLS["kernel"] += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
+    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))  # [T, heads, D]
     if inflight_layout is None:
         cu = cu_seq_lens_q.to(torch.int32)
         max_len = kwargs.get("max_length_q")

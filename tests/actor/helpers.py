@@ -84,7 +84,7 @@ class TrainerStub:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> "TrainerStub":
-        set_version(self.urls, self.path, 0)  # the run starts from the initial weights, version 0
+        set_version(self.urls, self.path, 0, new_run=True)  # the run starts from the initial weights, v0
         self.stream.publish_version(0)
         self.thread.start()
         return self
@@ -111,12 +111,14 @@ class TrainerStub:
             raise self.error
 
 
-def set_version(urls: list[str], weights_path: str, version: int) -> None:
-    """A real weight update (safetensors file transport) that sets the servers' weight version."""
+def set_version(urls: list[str], weights_path: str, version: int, new_run: bool = False) -> None:
+    """A real weight update (safetensors file transport) that sets the servers' weight version (`new_run`: a
+    trainer's first update, which may go back, as a test's new run on a server shared with earlier tests)."""
     import httpx
 
     for url in urls:
-        r = httpx.post(url + "/request_weight_update", json={"version": version, "path": weights_path}, timeout=30)
+        r = httpx.post(url + "/request_weight_update", json={"version": version, "path": weights_path,
+                                                             "new_run": new_run}, timeout=30)
         r.raise_for_status()
 
 

@@ -81,7 +81,7 @@ def _ref_logprobs(model, prompt: list[int], completion: list[int]) -> list[float
 def test_groups_are_exactly_what_the_server_sampled(server, rewards, tiny_model_dir, weights_file, use_n):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    set_version([server.url], weights_file, 0)
+    set_version([server.url], weights_file, 0, new_run=True)
     task, cfg, stream = get_task(TASK_CFG), actor_cfg(use_n=use_n), new_stream()
     stream.publish_version(0)
 

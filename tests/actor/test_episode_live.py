@@ -104,7 +104,7 @@ def counters(url: str) -> tuple[float, float]:
 
 
 def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir, weights_file):
-    set_version([server.url], weights_file, 0)  # an update: the server retains no KV from earlier tests
+    set_version([server.url], weights_file, 0, new_run=True)  # an update: the server retains no KV from earlier tests
     before = counters(server.url)
     s, client = episode(server, Scripted(), client_cls=Recording)
     prefilled, reused = (a - b for a, b in zip(counters(server.url), before))
@@ -144,7 +144,7 @@ def test_episode_tokens_are_exactly_the_sampled_ones(server, tok, tiny_model_dir
 
 
 def test_episode_across_a_weight_push_carries_both_versions(server, weights_file):
-    set_version([server.url], weights_file, 0)
+    set_version([server.url], weights_file, 0, new_run=True)
     env = Scripted(on_step=lambda turn: set_version([server.url], weights_file, 1) if turn == 1 else None)
     s, client = episode(server, env, client_cls=Recording)
     c1, c2, c3 = client.seen
@@ -153,7 +153,7 @@ def test_episode_across_a_weight_push_carries_both_versions(server, weights_file
     assert sorted(set(s.model_versions())) == [0, 1]
     assert set(v for v, m in zip(s.versions, s.loss_mask) if not m) == {-1}
     assert lag_stats([s], 1)["lag_hist"] == {"0": len(c2.versions) + len(c3.versions), "1": len(c1.versions)}
-    set_version([server.url], weights_file, 0)
+    set_version([server.url], weights_file, 0, new_run=True)
 
 
 class Hanging:

@@ -5,11 +5,14 @@ is defined)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,22 +74,80 @@ def test_combine_of_one_split_is_plain_softmax():
     assert torch.allclose(da.combine(m2, l2, acc2), acc[:, :, 0] / l)
 
 
+def patch_index(interpreter) -> None:
+    """Triton's interpreter turns a loaded scalar into a 1-element array, and numpy 2 refuses int() of it: the
+    interpreted tensor's __index__ reads the array's one element instead. Triton 3.6 calls `_patch_lang_tensor`
+    with a patch scope (which undoes what it set after the launch), earlier versions with the tensor class only."""
+    orig = interpreter._patch_lang_tensor
+
+    def index(self):
+        return int(np.asarray(self.handle.data).reshape(-1)[0])
+
+    def patched(tensor, *scope):
+        orig(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interpreter._patch_lang_tensor = patched
+
+
+class _Scope:  # triton 3.6's _LangPatchScope: set_attr records, restore undoes
+    def __init__(self):
+        self.changes = []
+
+    def set_attr(self, obj, name, value):
+        self.changes.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def restore(self):
+        while self.changes:
+            obj, name, value = self.changes.pop()
+            setattr(obj, name, value)
+
+
+def _tensor_class():
+    class Tensor:
+        def __init__(self, data):
+            self.handle = types.SimpleNamespace(data=data)
+
+        def __index__(self):
+            raise AssertionError("not patched")
+
+    return Tensor
+
+
+@pytest.mark.parametrize("version", ["3.6", "older"])
+def test_index_patch_fits_the_interpreters_signature(version):
+    """Without Triton: the patch against both signatures of `_patch_lang_tensor`, each setting the numpy-1 style
+    __index__ (int() of the array) that the patch must replace."""
+    tensor = _tensor_class()
+    if version == "3.6":
+        def orig(t, scope):
+            scope.set_attr(t, "__index__", lambda self: int(self.handle.data))
+    else:
+        def orig(t):
+            t.__index__ = lambda self: int(self.handle.data)
+    interpreter = types.SimpleNamespace(_patch_lang_tensor=orig)
+    patch_index(interpreter)
+    scope = _Scope()
+    interpreter._patch_lang_tensor(tensor, *([scope] if version == "3.6" else []))
+    assert operator.index(tensor(np.array([7], dtype=np.int32))) == 7
+    if version == "3.6":  # after the launch the scope restores the class as it was
+        scope.restore()
+        with pytest.raises(AssertionError, match="not patched"):
+            operator.index(tensor(np.array([7])))
+
+
 _INTERPRETED = """
-import numpy as np
 import torch
 from triton.runtime import interpreter
 
-_orig = interpreter._patch_lang_tensor
+from tests.engine.test_decode_attention import case, patch_index, ref64
 
-
-def _patched(tensor):  # the interpreter turns a loaded scalar into a 1-element array; numpy 2 refuses int() of it
-    _orig(tensor)
-    tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-
-
-interpreter._patch_lang_tensor = _patched
+patch_index(interpreter)
 from inflight.engine import decode_attention as da
-from tests.engine.test_decode_attention import case, ref64
 
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     args = case(dtype, seed=2)

@@ -1,6 +1,8 @@
 """On a CUDA device only (skipped elsewhere): the GPU halves of the trainer's levers, against float64 references.
 - inflight_varlen's kernel (torch's varlen flash attention, bf16): outputs and q/k/v gradients of a packed row
   (GQA) against `reference_varlen` in float64 on the same bf16 inputs;
+- the trainer in bf16-mixed on CUDA (attention auto): every layer's attention takes that kernel, none falls back
+  (float32 master weights: RoPE hands q / k over in float32);
 - the chunked head under bf16 autocast on CUDA: logprobs, entropies and the hidden / weight gradients against the
   plain float64 reference.
     python -m pytest -q tests/trainer/test_levers_cuda.py
@@ -9,7 +11,12 @@
 import pytest
 import torch
 
+from inflight.config.trainer import TrainerConfig
 from inflight.trainer import head, varlen
+from inflight.trainer.packing import collate
+from inflight.trainer.single import SingleDeviceTrainer
+
+from .helpers import ReinforceLoss, random_samples
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,6 +42,17 @@ def test_varlen_kernel_against_float64_reference():
     assert _rel(out, ref) < 1e-2
     for a, b in zip(grads, ref_grads):
         assert _rel(a, b) < 2e-2
+
+
+def test_trainer_takes_the_varlen_kernel_in_bf16(tiny_model_dir):
+    t = SingleDeviceTrainer(str(tiny_model_dir), TrainerConfig(device="cuda", precision="bf16-mixed"))
+    t.init()
+    assert t.model.config._attn_implementation == varlen.NAME
+    batch = collate(random_samples(6, t.model.config.vocab_size, seed=5), [1.0, -1.0] * 3, 6, 100)
+    varlen.CALLS.clear()
+    t.backward(batch, ReinforceLoss())
+    assert dict(varlen.CALLS) == {"kernel": t.model.config.num_hidden_layers}
+    assert all(torch.isfinite(p.grad).all() for p in t.model.parameters())
 
 
 def test_chunked_head_bf16_on_cuda_against_float64():

@@ -129,3 +129,80 @@ def test_reference_kernel_is_causal_per_sequence():
     mask = (doc[:, None] == doc[None]) & torch.ones(11, 11, dtype=torch.bool).tril()
     ref = F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask, scale=0.5)
     torch.testing.assert_close(got, ref.transpose(0, 1), atol=1e-12, rtol=0)
+
+
+def _torch_2_11_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                            window_size=(-1, -1)):
+    """torch 2.11's varlen_attn signature (no `enable_gqa`: it came in 2.12), causal ((-1, 0)) only, on CPU; like
+    2.11's kernel it takes as many kv heads as query heads."""
+    assert return_aux is None and window_size == (-1, 0) and cu_seq_k is cu_seq_q and max_k == max_q
+    assert key.shape[1] == query.shape[1], "2.11 has no enable_gqa: the kv heads must be expanded"
+    return varlen.reference_varlen(query, key, value, cu_seq_q, max_q, scale)
+
+
+def test_cuda_call_fits_torch_2_11_without_enable_gqa(monkeypatch):
+    """The CUDA call (`_cuda_varlen`) against torch 2.11's signature: no enable_gqa keyword, so the kv heads are
+    repeated before the call; the result is the GQA attention, outputs and gradients."""
+    import torch.nn.attention.varlen as tv
+
+    monkeypatch.setattr(tv, "varlen_attn", _torch_2_11_varlen_attn)
+    lens = [5, 1, 9]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens), 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lens), 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    out = varlen._cuda_varlen(q, k, v, cu, max(lens), 0.3)
+    ref = _per_sample_reference(*(x.transpose(0, 1)[None] for x in (q, k, v)), lens, 0.3)[0]
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_call_uses_the_keywords_a_torch_has():
+    """enable_gqa and scale passed where the signature has them (2.12+); is_causal where window_size is absent
+    (2.9); a missing `scale` is applied to the query (the kernel's default is 1 / sqrt(D))."""
+    seen = []
+
+    def newer(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        seen.append(("newer", k.shape[1], scale, window_size, enable_gqa))
+        return varlen.reference_varlen(q, k, v, cu_q, max_q, scale)
+
+    def older(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        seen.append(("older", k.shape[1], is_causal))
+        return varlen.reference_varlen(q, k, v, cu_q, max_q, q.shape[-1] ** -0.5)
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(7, h, 4, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    want = varlen.reference_varlen(q, k, v, cu, 4, 0.7)
+    for fn in (newer, older):
+        torch.testing.assert_close(varlen.call_varlen(fn, q, k, v, cu, 4, 0.7), want, atol=1e-12, rtol=0)
+    assert seen == [("newer", 2, 0.7, (-1, 0), True), ("older", 4, True)]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16-mixed"])
+def test_trainer_takes_the_varlen_path_whatever_rope_returns(tiny_model_dir, monkeypatch, precision):
+    """With the lever on (attention=inflight_varlen), every layer's attention goes to the varlen kernel, with q, k
+    and v in the compute dtype: under bf16 autocast RoPE hands q / k over in float32 (float32 cos / sin times the
+    bf16 projections) while v is bf16; the flash kernel takes half precision only, so the decision and the inputs
+    must follow autocast's dtype, not RoPE's."""
+    monkeypatch.setattr(varlen, "CPU_KERNEL", varlen.reference_varlen)
+    t = _trainer(tiny_model_dir, "inflight_varlen", precision=precision)
+    dtypes = []
+
+    def kernel(q, k, v, *rest):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return varlen.reference_varlen(q, k, v, *rest)
+
+    monkeypatch.setattr(varlen, "CPU_KERNEL", kernel)
+    batch = collate(random_samples(6, t.model.config.vocab_size, seed=5), [1.0, -1.0] * 3, 6, 100)
+    stats = t.backward(batch, ReinforceLoss())
+    assert torch.isfinite(torch.tensor(stats["pg_loss"]))
+    want = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    assert dtypes == [(want, want, want)] * t.model.config.num_hidden_layers
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in t.model.parameters() if p.requires_grad)
+    for fallback in (torch.float32, torch.float64):  # on CUDA: the flash kernel only in half precision
+        assert varlen._kernel(torch.device("cuda"), fallback) is None

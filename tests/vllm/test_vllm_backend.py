@@ -77,7 +77,7 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
         r = httpx.post(url + "/check_weight_update", json={"version": 9, "params": [bad]})
         assert r.status_code in (400, 409), r.text
     r = httpx.post(url + "/request_weight_update", json={"version": 9, "path": "/no/such.safetensors"})
-    assert r.status_code == 400 and "no such file" in r.text
+    assert r.status_code == 400 and "not a readable safetensors file" in r.text
     r = httpx.post(url + "/request_weight_update", json={"version": 9, "path": "relative.safetensors"})
     assert r.status_code == 400 and "absolute" in r.text
 
@@ -169,3 +169,45 @@ def test_update_in_the_middle_of_a_generation(vllm_server, hf_model, vllm_model_
         # index 165); a KV cache left from weights perturbed by 0.2 would differ by far more than 2e-3.
         bad = [(i, got["lps"][i], ref[i]) for i in range(switch, len(ref)) if abs(got["lps"][i] - ref[i]) >= 2e-3]
         assert not bad, f"switch at {switch}, mismatches (index, server, reference): {bad[:5]}"
+
+
+def test_hostile_weight_requests(vllm_server, vllm_model_dir):
+    """What tests/security/test_weight_hostile.py checks on the built-in server: the master-address rule, the bounded
+    group timeout, a rendezvous that never comes (file updates go on; the next join supersedes it), stale versions
+    (409), and a dry run of a missing file (400)."""
+    from inflight.host import free_port
+    from inflight.trainer.protocols.inflight import WeightSyncClient
+
+    url = vllm_server.url
+    ckpt = str(Path(vllm_model_dir) / "model.safetensors")
+    base = {"rank_offset": 1, "world_size": 2, "timeout_s": 5}
+    for address, port in (("198.51.100.7", 29500), ("127.0.0.1", 22), ("127.0.0.1", vllm_server.port)):
+        r = httpx.post(url + "/init_process_group", json={**base, "master_address": address, "master_port": port})
+        assert r.status_code == 403 and "master" in r.text, (address, port, r.text)
+    r = httpx.post(url + "/init_process_group", json={**base, "master_address": "127.0.0.1",
+                                                      "master_port": free_port(), "timeout_s": 1e9})
+    assert r.status_code == 400 and "timeout_s" in r.text, r.text
+
+    v = httpx.get(url + "/health").json()["version"]
+    answer: list = []
+    dead = {**base, "master_address": "127.0.0.1", "master_port": free_port(), "timeout_s": 600}
+    t = threading.Thread(target=lambda: answer.append(httpx.post(url + "/init_process_group", json=dead,
+                                                                 timeout=120)))
+    t.start()
+    time.sleep(2)  # the workers are waiting for the rendezvous
+    r = httpx.post(url + "/request_weight_update", json={"version": v + 1, "path": ckpt}, timeout=60)
+    assert r.status_code == 200 and t.is_alive(), r.text
+    client = WeightSyncClient([url])
+    try:
+        client.init_process_group()  # supersedes the dead join
+        t.join(30)
+        assert answer and answer[0].status_code == 409 and "superseded" in answer[0].text
+    finally:
+        client.close()
+    for route in ("/check_weight_update", "/request_weight_update"):
+        r = httpx.post(url + route, json={"version": v, "path": ckpt}, timeout=60)
+        assert r.status_code == 409 and "stale version" in r.text, (route, r.text)
+    r = httpx.post(url + "/check_weight_update", json={"version": v + 1, "path": "/nonexistent/x.safetensors"})
+    assert r.status_code == 400 and "not a readable safetensors file" in r.text
+    assert httpx.get(url + "/health").json()["version"] == v + 1
+

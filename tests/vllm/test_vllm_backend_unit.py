@@ -22,7 +22,7 @@ def receiver(tmp_path):
     save_file({"a.weight": torch.zeros(3, 4), "b.bias": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
     specs = checkpoint_specs(str(tmp_path), "float32")
     assert specs == {"a.weight": ((3, 4), torch.float32), "b.bias": ((5,), torch.float32)}
-    return VLLMWeightReceiver(SimpleNamespace(llm=None), specs, device="cpu")
+    return VLLMWeightReceiver(SimpleNamespace(llm=None, version=0), specs, device="cpu")
 
 
 def test_header_is_read_without_tensors(tmp_path):
@@ -122,3 +122,17 @@ def test_ipc_updates_are_refused_by_the_vllm_backend(receiver):
     with pytest.raises(WeightUpdateError, match="cuda_ipc") as e:
         receiver.validate(req)
     assert e.value.status == 400
+
+
+def test_versions_never_go_back(receiver, tmp_path):
+    """The version rule of every transport (update_checks.check_version): older than served is a 409, the same
+    version again is a retry."""
+    good = tmp_path / "good.safetensors"
+    save_file({"a.weight": torch.ones(3, 4)}, str(good))
+    receiver.engine.version = 5
+    for req in (WeightUpdateRequest(version=4, path=str(good)),
+                WeightUpdateRequest(version=4, params=[{"name": "a.weight", "shape": [3, 4], "dtype": "float32"}])):
+        with pytest.raises(WeightUpdateError, match="stale version") as e:
+            receiver.validate(req)
+        assert e.value.status == 409
+    receiver.validate(WeightUpdateRequest(version=5, path=str(good)))

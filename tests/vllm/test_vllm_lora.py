@@ -87,6 +87,15 @@ def test_adapter_updates_merge_in_the_workers(vllm_server, vllm_model_dir, tmp_p
         r = push_file(url, tmp_path, nan, 103, rank=2, scaling=0.5)
         assert r.status_code == 400 and "NaN or Inf" in r.text, r.text
         assert httpx.get(url + "/health").json()["version"] == 102
+        big = {n: torch.full_like(t, 1e3) for n, t in second.items()}  # finite, but W0 + 1e35 * B @ A is not
+        r = push_file(url, tmp_path, big, 103, rank=2, scaling=1e35)
+        assert r.status_code == 400 and "merged weights" in r.text, r.text
+        r = push_broadcast(sync, url, big, 103, rank=2, scaling=1e35)  # merged in the pause: refused there too
+        assert r.status_code == 400 and "merged weights" in r.text, r.text
+        assert httpx.get(url + "/health").json()["version"] == 102
+        ch = _greedy(url, name)
+        assert ch["token_versions"] == [102] * 8
+        assert _error(vllm_model_dir, merged64(w0, second, 0.5), ch) < 1e-3
 
         # a full (partial) update drops the adapter
         head = {"lm_head.weight": w0["lm_head.weight"] * -1.5}

@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None)
     p.add_argument("--allow-remote-admin", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a connection whose request headers are not complete in this time is closed")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request body not received in this time gets HTTP 408 and its connection closed")
     p.add_argument("--chat-template", default=None, help=(
         "a Jinja file, or a template shipped with inflight by name (chatml_tools), replacing the model's own: our "
         "chat route renders prompts with it"))
@@ -73,9 +77,10 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
 
 
 def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool,
-              tool_call_parser: str = "auto") -> Any:
+              tool_call_parser: str = "auto", own_port: int | None = None, body_timeout_s: float = 30.0) -> Any:
     """inflight's app over vLLM: the built-in server's OpenAI and health routers over `engine`, its weight router
-    over `receiver` (the workers), behind the same access rules (server.py)."""
+    over `receiver` (the workers), behind the same access rules (server.py), the process-group master rule
+    included (`own_port`: the port this server listens on, which may not be named as a master port)."""
     from inflight.engine.guards import Admission  # lazy: start-up cost (FastAPI, torch), not paid by `--help`
     from inflight.engine.http_errors import Auth  # lazy: start-up cost
     from inflight.engine.routes_health import health_router, prometheus_text  # lazy: start-up cost
@@ -83,19 +88,22 @@ def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_a
     from inflight.engine.routes_weights import weights_router  # lazy: start-up cost
     from inflight.engine.server import base_app  # lazy: start-up cost
 
-    app = base_app(engine)
+    app = base_app(engine, api_key=api_key, body_timeout_s=body_timeout_s)
     admission = Admission(engine.max_batch, None)
     app.state.receiver, app.state.admission = receiver, admission
     auth = Auth(api_key, allow_remote_admin)
     app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch, tool_call_parser=tool_call_parser))
     app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates)))
-    # the receiver joins the group where the trainer says (no address check) and checks updates itself
-    app.include_router(weights_router(receiver, auth, check_address=False))
+    # a master address is vetted as on the built-in server (guards.check_master_address): the workers connect to
+    # the address checked, never to a name resolved again
+    app.include_router(weights_router(receiver, auth, own_port=own_port))
     return app
 
 
 async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     import uvicorn  # lazy: start-up cost, not paid by `--help` or a bad argument
+
+    from inflight.engine.http_server import uvicorn_config  # lazy: imports uvicorn
 
     try:
         import vllm  # lazy: vLLM is optional (its own environment)
@@ -125,9 +133,9 @@ async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     log.info("vLLM %s engine up: %s, dtype %s on %s, max_model_len %d", vllm.__version__, engine.model_name,
              info["dtype"], info["device"], engine.max_model_len)
     app = build_app(engine, receiver, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin,
-                    tool_call_parser=args.tool_call_parser)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            backlog=4096, timeout_keep_alive=30)
+                    tool_call_parser=args.tool_call_parser, own_port=args.port, body_timeout_s=args.body_timeout_s)
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            header_timeout_s=args.header_timeout_s)
     await uvicorn.Server(config).serve()
 
 

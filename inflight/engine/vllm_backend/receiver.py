@@ -11,7 +11,9 @@ reset_running_requests=True)` preempts every running request, so its KV cache is
 carry it) → `resume_generation()`. An adapter update (`adapter` set) is checked with check_adapter, and the
 workers merge W0 + s * B @ A into the staged weights (file / shm: before the pause; broadcasts: after receiving, in
 it) and load those like a full update. A NaN or Inf in the update is a 400 and nothing is applied (the workers check
-what they staged, one fused reduction each). A tied model's shared tensor is announced once, under the embedding's
+what they staged, one fused reduction each; an adapter's merged weights too, which finite A and B can overflow).
+A version older than the one served is a 409 (update_checks.check_version). A join holds no lock while the workers
+wait for the rendezvous: file and shm updates go on meanwhile, and a newer join supersedes it (409 for the older). A tied model's shared tensor is announced once, under the embedding's
 name (`model.embed_tokens.weight`); `lm_head.weight` is then not a parameter of the model here (400, like an alias
 to the built-in server).
 """
@@ -20,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import logging
 import os
-import struct
 import time
 from typing import Any
 
@@ -32,25 +32,10 @@ import torch
 from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
                                 shm_layout)
 from inflight.engine.vllm_backend.worker_ext import NONFINITE
-from inflight.engine.weight_receiver import (DTYPES, WeightUpdateError, check_adapter, check_params, check_shm,
-                                             wait_shm)
+from inflight.engine.update_checks import (DTYPES, WeightUpdateError, check_adapter, check_params, check_shm,
+                                           check_version, file_params, safetensors_header, wait_shm)
 
 log = logging.getLogger("inflight.vllm.weights")
-ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def safetensors_header(path: str) -> dict[str, tuple[list[int], str]]:
-    """{name: (shape, dtype name)} from a safetensors header, without reading any tensor data."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("file too short")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise ValueError("header too large")
-        header = json.loads(f.read(n))
-    return {k: (list(v["shape"]), ST_DTYPES.get(v["dtype"], v["dtype"])) for k, v in header.items()
-            if k != "__metadata__"}
 
 
 def checkpoint_specs(model_dir: str, dtype: str, tied: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -75,7 +60,8 @@ class VLLMWeightReceiver:
         self.engine, self.llm, self.specs, self.device = engine, engine.llm, specs, device
         self.aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}  # refused, named in the 400
         self.staging = staging  # GPU broadcasts: stage in pinned host memory (one bucket of GPU memory) or on the GPU
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one update at a time (a join does not take it: it waits for the rendezvous)
+        self._joins = 0  # joins started: only the latest one may complete
         self.has_group = False
         self.updates = 0
         self.last_update: dict[str, Any] = {}
@@ -84,31 +70,37 @@ class VLLMWeightReceiver:
         return await self.llm.collective_rpc(method, args=args)
 
     # ---- process group ----------------------------------------------------------------------------------------
-    async def init_process_group(self, req: InitProcessGroupRequest) -> dict[str, Any]:
+    async def init_process_group(self, req: InitProcessGroupRequest, connect_to: str | None = None) -> dict[str, Any]:
+        """`connect_to`: the checked IP of req.master_address (routes_weights vets the name first)."""
         if req.rank_offset >= req.world_size:
             raise WeightUpdateError(f"rank_offset {req.rank_offset} must be < world_size {req.world_size}")
         if req.backend == "nccl" and self.device == "cpu":
             raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server runs on CPU (use 'gloo')")
         if self._lock.locked():
-            raise WeightUpdateError("a weight update or group join is in progress", status=409)
-        async with self._lock:
-            ranks = await self._rpc("inflight_join_group", req.master_address, req.master_port, req.rank_offset,
-                                    req.world_size, req.backend, req.timeout_s)
-            if max(ranks) >= req.world_size:
-                raise WeightUpdateError(f"this server has {len(ranks)} ranks; rank_offset {req.rank_offset} + "
-                                        f"{len(ranks)} exceeds world_size {req.world_size}")
-            deadline = time.monotonic() + req.timeout_s
-            while True:  # the workers join in a thread: generation goes on meanwhile
-                states = await self._rpc("inflight_group_status")
-                errors = [s for s in states if s.startswith("error")]
-                if errors:
-                    raise RuntimeError("; ".join(errors))
-                if all(s == "ready" for s in states):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rendezvous not complete after {req.timeout_s}s")
-                await asyncio.sleep(0.05)
-            self.has_group = True
+            raise WeightUpdateError("a weight update is in progress", status=409)
+        self._joins += 1
+        seq = self._joins
+        self.has_group = False  # the workers let their group go as they start joining
+        ranks = await self._rpc("inflight_join_group", connect_to or req.master_address, req.master_port,
+                                req.rank_offset, req.world_size, req.backend, req.timeout_s)
+        if max(ranks) >= req.world_size:
+            raise WeightUpdateError(f"this server has {len(ranks)} ranks; rank_offset {req.rank_offset} + "
+                                    f"{len(ranks)} exceeds world_size {req.world_size}")
+        deadline = time.monotonic() + req.timeout_s
+        while True:  # the workers join in a thread: generation, file and shm updates go on meanwhile
+            if self._joins != seq:
+                raise WeightUpdateError("superseded by a newer /init_process_group while waiting for the "
+                                        "rendezvous; this join was given up", status=409)
+            states = await self._rpc("inflight_group_status")
+            errors = [s for s in states if s.startswith("error")]
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            if all(s == "ready" for s in states):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rendezvous not complete after {req.timeout_s}s")
+            await asyncio.sleep(0.05)
+        self.has_group = True
         log.info("weight group joined: ranks %s of %d via %s:%d (%s)", ranks, req.world_size, req.master_address,
                  req.master_port, req.backend)
         return {"rank": req.rank_offset, "world_size": req.world_size, "backend": req.backend}
@@ -121,6 +113,7 @@ class VLLMWeightReceiver:
             check_params(params, self.specs, self.aliases)
 
     def validate(self, req: WeightUpdateRequest) -> None:
+        check_version(req.version, self.engine.version, req.new_run)
         if req.ipc is not None:
             raise WeightUpdateError("the vLLM backend does not take cuda_ipc updates (built-in engine only): use "
                                     "trainer.weight_transport=process_group or shm")
@@ -133,27 +126,14 @@ class VLLMWeightReceiver:
                 raise WeightUpdateError("no process group: POST /init_process_group first", status=409)
             self._check(req.params, req)
             return
-        path = req.path or ""
-        if not os.path.isabs(path):
-            raise WeightUpdateError(f"path must be absolute: {path!r}")
-        if not os.path.isfile(path):
-            raise WeightUpdateError(f"no such file: {path!r}")
-        try:
-            header = safetensors_header(path)
-        except (OSError, ValueError) as e:
-            raise WeightUpdateError(f"not a readable safetensors file: {path!r} ({e})") from e
-        if not header:
-            raise WeightUpdateError("weight update rejected: the file holds no tensors")
-        bad = [n for n, (_, dt) in header.items() if dt not in DTYPES]
-        if bad:
-            raise WeightUpdateError(f"weight update rejected: unsupported dtype in {bad[:5]}")
-        self._check([ParamInfo(name=n, shape=s, dtype=dt) for n, (s, dt) in header.items()], req)
+        self._check(file_params(req.path or ""), req)
 
     async def update(self, req: WeightUpdateRequest) -> dict[str, Any]:
-        self.validate(req)
+        await asyncio.to_thread(self.validate, req)  # may read a file's or a segment's header
         if self._lock.locked():
             raise WeightUpdateError("another weight update is in progress", status=409)
         async with self._lock:
+            check_version(req.version, self.engine.version, req.new_run)  # again: one may have been applied meanwhile
             t0 = time.perf_counter()
             try:  # read (or mapped) and checked before pausing
                 if req.path is not None:
@@ -182,7 +162,10 @@ class VLLMWeightReceiver:
                     except Exception as e:
                         raise _rejected(e) from None
                     if req.adapter is not None:  # broadcasts arrive inside the pause: so does their merge
-                        await self._rpc("inflight_merge_staged", req.adapter.scaling)
+                        try:
+                            await self._rpc("inflight_merge_staged", req.adapter.scaling)
+                        except Exception as e:
+                            raise _rejected(e) from None
                 await self._rpc("inflight_apply")
                 if req.mode == "interrupt":
                     await self.llm.reset_prefix_cache(reset_running_requests=True)

@@ -12,14 +12,15 @@ bucket) and staged in pinned host memory, kept for the next update of the same l
 the host. So an update needs one bucket of GPU memory, not a second copy of the model (which at vLLM's default
 gpu_memory_utilization 0.9 does not fit for a 7B model). `staging="device"` stages on the GPU instead: a shorter
 pause (no host-to-GPU copy in it) for a model's worth of free GPU memory (lower --gpu-memory-utilization by the
-model's size). A shared-memory segment is staged as views of the mapped segment on a GPU (the apply copies them to
-the GPU); on CPU as a copy made before the pause (vLLM's CPU reload keeps the tensors it is given).
+model's size). A shared-memory segment is staged as a host copy made before the pause, checked as it is copied: the
+trainer can still write the segment, so the bytes checked are the bytes applied (and vLLM's CPU reload keeps the
+tensors it is given).
 
 Tied embeddings: the update carries the embedding once (`model.embed_tokens.weight`); vLLM loads it into the one
 parameter both modules share, and on CPU the prepacked lm_head is rebuilt from it after every reload.
 
 Adapter (LoRA) updates: `inflight_merge_staged(scaling)` turns the staged A/B pairs into merged weights
-W0 + s * B @ A (HF names), which `inflight_apply` then loads like a full update, so vLLM fuses, shards and (on CPU)
+W0 + s * B @ A (HF names), refused like a NaN/Inf update when the merge overflows, which `inflight_apply` then loads like a full update, so vLLM fuses, shards and (on CPU)
 prepacks them itself and generates at full-model speed. W0: on CPU the shadow checkpoint, which holds the base
 weights (checkpoint + full updates; merged weights are never written into it, so bases an adapter no longer lists
 are W0 again by construction); on a GPU a host copy of each adapted base, read from the checkpoint the first time
@@ -47,7 +48,7 @@ from safetensors.torch import load_file
 from torch.distributed import ProcessGroupGloo, TCPStore
 
 from inflight.engine.adapter_merge import LORA_A, LORA_B, bases_of, merge
-from inflight.finite import nonfinite
+from inflight.finite import nonfinite, private_copies
 from inflight.shm_weights import ShmMapping
 
 log = logging.getLogger("inflight.vllm.worker")
@@ -79,9 +80,14 @@ class InflightWorkerExtension:
     def inflight_join_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                             backend: str, timeout_s: float) -> int:
         rank = rank_offset + int(self.rank)  # type: ignore[attr-defined]  # several workers: consecutive ranks
+        # a newer join supersedes this one: its thread then neither builds a group nor reports a state
+        seq = self._inflight_join_seq = getattr(self, "_inflight_join_seq", 0) + 1
         self._inflight_group_state = "pending"
         self._inflight_group = None
         device = self._inflight_device()
+
+        def current() -> bool:
+            return self._inflight_join_seq == seq
 
         def join() -> None:
             group: ProcessGroupGloo | ProcessGroupNCCL
@@ -90,6 +96,8 @@ class InflightWorkerExtension:
                     torch.cuda.set_device(device)
                 timeout = datetime.timedelta(seconds=timeout_s)
                 store = TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+                if not current():
+                    return
                 if backend == "gloo":
                     group = ProcessGroupGloo(store, rank, world_size, timeout)
                 else:
@@ -98,10 +106,12 @@ class InflightWorkerExtension:
                     opts = ProcessGroupNCCL.Options()
                     opts._timeout = timeout
                     group = ProcessGroupNCCL(store, rank, world_size, opts)
-                self._inflight_group = group
-                self._inflight_group_state = "ready"
+                if current():
+                    self._inflight_group = group
+                    self._inflight_group_state = "ready"
             except Exception as e:  # reported to the API process by inflight_group_status
-                self._inflight_group_state = f"error: {type(e).__name__}: {e}"
+                if current():
+                    self._inflight_group_state = f"error: {type(e).__name__}: {e}"
 
         threading.Thread(target=join, name="inflight-join", daemon=True).start()
         return rank
@@ -161,14 +171,14 @@ class InflightWorkerExtension:
         if mapping is None:
             mapping = self._inflight_shm = ShmMapping()
         views = mapping.tensors(path, [tuple(e) for e in entries])
-        if self._inflight_device().type == "cpu":  # the reload keeps what it is given: copy now, before the pause
-            views = {n: t.clone() for n, t in views.items()}
-        self._inflight_stage(views)
+        # copied once, checked while copied: the trainer can still write the segment, so it is never read again
+        copies, bad = private_copies(views)
+        self._inflight_stage(copies, finite=not bad)
         return len(self._inflight_staged)
 
     def _inflight_stage(self, staged: dict[str, torch.Tensor], finite: bool | None = None) -> None:
         """Keep `staged` for inflight_apply once it is finite (`finite`: already checked on the way in). On a GPU
-        they may be views of memory later updates reuse (host buffers, the shm segment): the apply copies them into
+        they may be views of memory later updates reuse (the host buffers): the apply copies them into
         the model; on CPU they are the worker's own (the shadow checkpoint keeps them)."""
         self._inflight_staged, self._inflight_staged_bases = {}, None
         bad = [] if finite else nonfinite(staged)
@@ -190,6 +200,11 @@ class InflightWorkerExtension:
         device = self._inflight_device()
         merged = {b: merge(self._inflight_w0(b).to(device), staged[b + LORA_A], staged[b + LORA_B], scaling)
                   for b in bases}
+        bad = nonfinite(merged)  # finite A and B can still overflow W0 + s * B @ A
+        if bad:
+            self._inflight_staged, self._inflight_staged_bases = {}, None
+            raise ValueError(f"weight update rejected: {NONFINITE} the merged weights W0 + scaling * B @ A of "
+                             f"{bad[:5]}; nothing applied")
         if device.type != "cpu":
             for b in getattr(self, "_inflight_adapted", ()):
                 merged.setdefault(b, self._inflight_w0(b))

@@ -48,7 +48,8 @@ from safetensors.torch import save_file
 from torch.distributed import ProcessGroupGloo, TCPStore
 
 from inflight.config import RunConfig
-from inflight.contracts import AdapterSpec, ParamInfo, adapter_pairs, bucket_layout, packed_bytes, shm_layout
+from inflight.contracts import (MAX_GROUP_TIMEOUT_S, AdapterSpec, ParamInfo, adapter_pairs, bucket_layout,
+                                packed_bytes, shm_layout)
 from inflight.host import free_port
 from inflight.shm_weights import ShmError, ShmWriter, announcement_digest, progress_is_ordered
 from inflight.cuda_ipc import IpcWriter  # transport cuda_ipc (same device): inflight/trainer/ipc_push.py
@@ -98,6 +99,9 @@ class WeightSyncClient(ProtocolClient):
         self._generation = 0  # +1 whenever the group is replaced or aborted: a stale abort leaves a new group alone
         self._group_thread: threading.Thread | None = None
         self._releases: list[threading.Thread] = []  # groups being shut down and freed (release_group)
+        # until one push is answered, pushes say new_run: the servers may hold a later version (of an earlier run,
+        # or of this one past the checkpoint it resumed from), which would make them refuse this run's as stale
+        self._new_run = True
         self._accepted: tuple | None = None  # (group generation, mode, tensor specs) of the last update all took
 
     # ---- process group ----------------------------------------------------------------------------------------
@@ -114,7 +118,7 @@ class WeightSyncClient(ProtocolClient):
         posts = [self.pool.submit(self.post, url, "/init_process_group", {
             "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1 + i,
             "world_size": self.world_size, "backend": self.backend, "group_name": group_name,
-            "timeout_s": self.timeout_s}) for i, url in enumerate(self.urls)]
+            "timeout_s": min(self.timeout_s, MAX_GROUP_TIMEOUT_S)}) for i, url in enumerate(self.urls)]
 
         def build() -> Any:
             if self.backend == "gloo":
@@ -161,7 +165,9 @@ class WeightSyncClient(ProtocolClient):
         as the servers will (contracts.adapter_pairs), on every transport. `named_weights` may be what prepare()
         returned."""
         t0 = time.perf_counter()
-        extra = {"adapter": AdapterSpec(**adapter).model_dump()} if adapter is not None else {}
+        extra: dict[str, Any] = {"adapter": AdapterSpec(**adapter).model_dump()} if adapter is not None else {}
+        if self._new_run:
+            extra["new_run"] = True
         if isinstance(named_weights, PreparedUpdate):
             prepared = named_weights
             if prepared.bucket_bytes != self.bucket_bytes:
@@ -188,19 +194,20 @@ class WeightSyncClient(ProtocolClient):
                 answers = self._push_broadcast(params, lambda announced: self._pack(tensors, params, announced),
                                                version, mode, extra)
         seconds = time.perf_counter() - t0
+        self._new_run = False
         pause = {url: float(a["pause_s"]) for url, a in zip(self.urls, answers)}
         log.info("pushed v%d%s: %d tensors, %.1f MB in %.3fs (%.0f MB/s), max pause %.3fs", version,
-                 " (adapter)" if extra else "", ntensors, nbytes / 1e6, seconds,
+                 " (adapter)" if "adapter" in extra else "", ntensors, nbytes / 1e6, seconds,
                  nbytes / 1e6 / max(seconds, 1e-9), max(pause.values()))
         out = {"version": version, "bytes": nbytes, "seconds": seconds, "pause_s": pause,
-               "num_tensors": ntensors, "adapter": bool(extra)}
+               "num_tensors": ntensors, "adapter": "adapter" in extra}
         if self.transport in ("shm", "cuda_ipc"):
             out["write_s"] = self.last_write_s  # of `seconds`: writing the segment
         return out
 
     def _check_adapter(self, params: list[dict], extra: dict) -> None:
         """An adapter update's names, ranks and shapes, before anything is sent (the servers check them too)."""
-        if not extra:
+        if "adapter" not in extra:
             return
         try:
             adapter_pairs([ParamInfo(**p) for p in params], extra["adapter"]["rank"])
