@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first, pinned: the CPU wheel on this machine's disk (GPU users install their CUDA torch before this).
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	# triton for the kernel tests (Triton's interpreter): the version torch 2.13.0's CUDA build pins; a CUDA torch
+	# brought its own. The test extra's floor (pyproject.toml) would otherwise take the newest.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q "triton==3.7.1; platform_system == 'Linux'"
 	$(BIN)/pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -32,10 +35,11 @@ redis:
 
 # The whole suite (with the lm-eval test venv built first, for tests/evals), then the OpenEnv, verifiers 0.4 and vLLM
 # stages (their own test venvs; CI runs all of them through this target). The 25 slowest tests are listed at the end:
-# CI's time budget is tight, they are where to look first. TEST_WORKERS=2 runs the main suite on two pytest-xdist
-# workers, a file per worker at a time (17 min on 2 cores where one process takes 27), but a few tests that bound a
-# wait or a speed then fail now and then on the shared cores; the default, 0, runs it in one process.
-TEST_WORKERS ?= 0
+# CI's time budget is tight, they are where to look first. The main suite runs on TEST_WORKERS pytest-xdist workers,
+# a file per worker at a time (tests/conftest.py; 17 min on 2 cores where one process takes 27); the tests that bound
+# a wait or a speed compare measurements taken together or measure again, so another test on the other core does not
+# fail them. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) redis lmeval-venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 	$(MAKE) --no-print-directory test-openenv

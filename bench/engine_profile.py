@@ -3,12 +3,19 @@ against the same step's matmuls alone, on the engine's packed weights and on HF'
 
     .venv/bin/python bench/engine_profile.py [MODEL_DIR]   # default .cache/models/smollm2-135m-instruct
 """
-import asyncio, sys, time, torch
+import asyncio
+import sys
+import time
+
+import torch
+
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 torch.set_num_threads(1)
 from engine import EngineBench
-from inflight.engine import precision as prec
 from transformers import AutoConfig
+
+from inflight.engine.model import precision as prec
+
 path = sys.argv[1] if len(sys.argv) > 1 else ".cache/models/smollm2-135m-instruct"
 cfg = AutoConfig.from_pretrained(path)
 HID, INTER = cfg.hidden_size, cfg.intermediate_size
@@ -36,6 +43,7 @@ for b in (32, 128):
           f"type {type(G.layers[0]['w_gu']).__name__}")
 eb.eng.stop()
 from transformers import AutoModelForCausalLM
+
 m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 for b in (32, 128):
     x = torch.randn(b, HID)

@@ -1,5 +1,5 @@
 """Prefill tokens per multi-turn episode, with the built-in engine's prefix reuse off and on: without it every turn
-prefills the whole episode so far; with it (engine/prefix_cache.py) a later turn continues the previous turn's
+prefills the whole episode so far; with it (engine/scheduler/prefix_cache.py) a later turn continues the previous turn's
 retained KV and prefills only the tokens the cache lacks (the previous turn's last sampled token, never run
 through the model, and the environment's delta).
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.pipeline.metrics import read_metrics  # noqa: E402
+from inflight.report.metrics import read_metrics  # noqa: E402
 
 PARTS = 10
 

@@ -60,7 +60,7 @@ def bench_pushes(args) -> list[dict]:
 
     from bench.weight_sync import VersionWatcher
     from inflight.engine.serve import ServerProcess
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     ranks = [int(r) for r in args.ranks.split(",")]
     updates: dict[str, tuple[list, dict | None]] = {}

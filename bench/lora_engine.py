@@ -28,10 +28,10 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inflight.contracts import WeightUpdateRequest  # noqa: E402
 from inflight.engine.core import InferenceEngine  # noqa: E402
-from inflight.engine.sampling import SamplingParams  # noqa: E402
-from inflight.engine.weight_receiver import WeightReceiver  # noqa: E402
+from inflight.engine.model.sampling import SamplingParams  # noqa: E402
+from inflight.engine.weights.receiver import WeightReceiver  # noqa: E402
+from inflight.transport.schemas import WeightUpdateRequest  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2-135m-instruct"
 

@@ -66,7 +66,6 @@ HERE = Path(__file__).resolve().parent / "peers"
 sys.path.insert(0, str(HERE))
 from arith_eval import PRESETS, arith_task  # noqa: E402
 
-
 # ---- setup ----------------------------------------------------------------------------------------------------
 
 def sh(cmd: list[str], **kw) -> None:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from engine import SIZES, build, prompts, timed  # noqa: E402  (bench/engine.py: same models, same prompts)
 
 from inflight.engine.core import InferenceEngine  # noqa: E402
-from inflight.engine.precision import PRECISIONS  # noqa: E402
-from inflight.engine.sampling import SamplingParams  # noqa: E402
+from inflight.engine.model.precision import PRECISIONS  # noqa: E402
+from inflight.engine.model.sampling import SamplingParams  # noqa: E402
 
 SIZES.setdefault("medium", (512, 8, 8, 4, 1536, 4096))
 

@@ -66,10 +66,10 @@ def rank_main(model: str, url: str, bucket_mb: float, out: str) -> None:
 
     from inflight.config import RunConfig
     from inflight.config.trainer import TrainerConfig
-    from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
-    from inflight.pipeline.metrics import MetricsLogger
+    from inflight.report.metrics import MetricsLogger
     from inflight.trainer.fsdp import FSDP2Trainer
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     t = FSDP2Trainer(model, TrainerConfig(backend="fsdp2", threads=1))
     t.init()
@@ -113,7 +113,7 @@ def main() -> None:
         return rank_main(model, url, float(bucket_mb), out)
     sys.path.insert(0, str(ROOT))
     from inflight.engine.serve import ServerProcess
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -108,7 +108,7 @@ def run(trainer: SingleDeviceTrainer, samples: list[Sample], budget: int, rounds
 def broadcast(trainer: SingleDeviceTrainer, model_dir: str, pushes: int) -> None:
     """Wall seconds per push (announce + transfer + every server's answer) vs one memory copy of the same bytes."""
     from inflight.engine.serve import ServerProcess
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     weights = [(n, t.detach().clone()) for n, t in trainer.named_weights()]
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)

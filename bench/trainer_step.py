@@ -4,7 +4,7 @@
     .venv/bin/python bench/trainer.py --rl-step --model .cache/models/smollm2-135m-instruct --lora 8 --groups 1 \
         --prompt-tokens 43 --baseline REV --steps 5    # `make demo-real`'s step: one informative group, LoRA
 
-The step the pipeline's trainer runs (inflight/pipeline/trainer_loop.py) on the demo workload: the tiny demo model
+The step the pipeline's trainer runs (inflight/trainer/loop/trainer_loop.py) on the demo workload: the tiny demo model
 (inflight.modelkit `make_model(size="tiny")`, arith tokenizer), 16 prompts x 8 samples, prompts of 10 tokens and
 completions of 12 (`fixed`) or 2..12 (`varied`, mean 7, like the demo once the model stops at EOS), the default
 grpo loss, micro-batch budget 4096 tokens, one thread: pack -> backward per micro-batch -> optimizer step.
@@ -67,7 +67,7 @@ def child(model_dir: str, args, phases: bool) -> dict:
     from inflight.trainer.single import SingleDeviceTrainer
 
     try:  # what the pipeline's role processes do at start, where the code under test has it
-        from inflight.heap import retain_freed_memory
+        from inflight.process import retain_freed_memory
 
         retain_freed_memory()
     except ImportError:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inflight.engine.serve import ServerProcess  # noqa: E402
-from inflight.trainer.protocols.vllm_lora import VLLMLoraSync, checkpoint_shapes  # noqa: E402
+from inflight.trainer.weight_sync.vllm_lora import VLLMLoraSync, checkpoint_shapes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / ".cache" / "models" / "smollm2-135m-instruct"

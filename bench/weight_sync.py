@@ -1,7 +1,7 @@
 """Weight sync: seconds from "optimizer step done" to "every server generates with the new weights" (not a test).
 
     .venv/bin/python bench/weight_sync.py [--pushes 5] [--model tiny|25m|smollm2 | --hidden 256 --layers 4]
-        [--transports per_tensor,bucketed,file,shm,shm_copy] [--vllm-python .cache/vllm-venv/bin/python]
+        [--transports per_tensor,bucketed,file,shm] [--vllm-python .cache/vllm-venv/bin/python]
 
 Models: `tiny` (hidden 256, 4 layers: 3.4M parameters), `25m` (hidden 512, 8 layers: 25.7M), `smollm2` (the shapes
 of SmolLM2-135M: LlamaForCausalLM, hidden 576, intermediate 1536, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied
@@ -10,8 +10,7 @@ For each backend (the built-in server; the vLLM backend when --vllm-python is gi
 streaming generation in flight. The trainer side (this process) pushes new weights with WeightSyncClient over each
 transport in turn, `--pushes` times each: the gloo process group with one broadcast per tensor (`per_tensor`) and
 with the small tensors packed in buckets of `--bucket-mb` (`bucketed`), a safetensors file under /dev/shm (`file`),
-and the shared-memory segment (`shm`: two segments lent in turn; `shm_copy`: one segment; the server copies
-either). Per push it records: the push's wall time (announce + transfer + the server's
+and the shared-memory segment (`shm`: one segment the trainer reuses; the server copies it). Per push it records: the push's wall time (announce + transfer + the server's
 answer; for shm also its first part, the trainer writing the segment), the server's own paused seconds, and the time
 until the streaming request's first token tagged with the new version arrives ("until generating"); pushes are
 `--gap-s` apart, as between optimizer steps (`--idle`: no generation in flight, no "until generating"). The baseline is a memory copy of the same bytes in this process into
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer import build_model  # noqa: E402
-from inflight.trainer.protocols.inflight import WeightSyncClient  # noqa: E402
+from inflight.trainer.weight_sync.inflight import WeightSyncClient  # noqa: E402
 
 
 class VersionWatcher:
@@ -75,7 +74,7 @@ class VersionWatcher:
 
 
 PRESETS = {"tiny": dict(hidden=256, layers=4), "25m": dict(hidden=512, layers=8), "smollm2": {}}
-TRANSPORTS = ("per_tensor", "bucketed", "file", "shm", "shm_copy")  # shm_copy: shm, segments not lent
+TRANSPORTS = ("per_tensor", "bucketed", "file", "shm")
 
 
 def build_smollm2_shaped(out: Path) -> None:
@@ -127,9 +126,8 @@ def run_backend(name: str, server, model_dir: str, pushes: int, first_version: i
         if {"per_tensor", "bucketed"} & set(transports):  # one weight group: a server joins one at a time
             clients["per_tensor"] = clients["bucketed"] = WeightSyncClient([server.url], timeout_s=300)
             clients["per_tensor"].init_process_group()
-        for t in {"file", "shm", "shm_copy"} & set(transports):
-            clients[t] = WeightSyncClient([server.url], transport=t.removesuffix("_copy"), timeout_s=300,
-                                          shm_lend=t == "shm")
+        for t in {"file", "shm"} & set(transports):
+            clients[t] = WeightSyncClient([server.url], transport=t, timeout_s=300)
         version = first_version
         for i in range(pushes):
             for transport in transports:  # in turn: drift hits all alike

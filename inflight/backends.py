@@ -3,7 +3,7 @@ brings to every role: how its server starts (`inflight serve --engine NAME` hand
 launcher), how `server.*` maps onto its options, the weight-update protocol its servers speak (`trainer.protocol`,
 the trainer's client) and the response adapter that reads its completions (`actor.adapter`).
 
-This module sits on the bottom floor (tests/test_layering.py): every role may ask it, and it imports no role. So a
+This module sits on the second floor, above config (tests/test_layering.py): every role may ask it, and it imports no role. So a
 registration holds *import paths* ("package.module:attribute"), and each role resolves only its own part, in its
 own layer: the engine its launcher, the pipeline the option mapping, the trainer the protocol module, the actor the
 adapter. A backend registers itself from its own folder (`register(InferenceBackend(...))`); the registry imports
@@ -18,7 +18,10 @@ import importlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from inflight.config import RunConfig
 
 BUILTIN = "builtin"  # the built-in engine: served in-process by `inflight serve`, the default of server.engine
 ENV = "INFLIGHT_BACKENDS"
@@ -39,8 +42,8 @@ class InferenceBackend:
                      options (the pipeline launcher appends server.extra_args after them).
     protocol:        the trainer.protocol name of the weight-update protocol its servers speak ...
     protocol_module: ... and the module of that protocol's client: `make_client(cfg, server_urls, common)` and
-                     `check_config(cfg)` (trainer/protocols/).
-    adapter:         `parse(response_json) -> list[Completion]` for actor.adapter=NAME (actor/adapters.py).
+                     `check_config(cfg)` (trainer/weight_sync/).
+    adapter:         `parse(response_json) -> list[Completion]` for actor.adapter=NAME (actor/response_parsers.py).
     quick_start:     up in seconds (pipeline.startup_timeout_s defaults to 180 s, else 600 s + 60 s per server).
     restartable:     pipeline.restart_servers may restart it behind the weight gate (pipeline/restart.py).
     """
@@ -136,3 +139,15 @@ def resolve(path: str) -> Any:
     module, _, attr = path.partition(":")
     obj = importlib.import_module(module)
     return getattr(obj, attr) if attr else obj
+
+
+def startup_timeout(cfg: RunConfig) -> float:
+    """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
+    SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
+    if cfg.pipeline.startup_timeout_s > 0:
+        return float(cfg.pipeline.startup_timeout_s)
+    backend = get(cfg.server.engine)
+    if backend.quick_start and cfg.trainer.protocol == backend.protocol:
+        return 180.0
+    servers = len(cfg.pipeline.server_urls) or cfg.server.num_servers
+    return 600.0 + 60.0 * max(0, servers - 1)

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-merged": ("inflight.trainer.lora_export", "a LoRA checkpoint (trainer.lora) merged into its base: a plain HF folder"),
     "profile": ("inflight.plan.profile_cli", "measure this machine's engine step times and trainer tokens/s for `plan`"),
     "plan": ("inflight.plan.plan_cli", "predict the best split of N devices and pipelined vs sync samples/s (simulated)"),
-    "report": ("inflight.pipeline.report", "regenerate report.html for one run, or compare several runs"),
+    "report": ("inflight.report.page", "regenerate report.html for one run, or compare several runs"),
 }
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not (name == "serve" and backends.get(args.engine).launcher is not None):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # only a foreign engine takes unknown options
     args.raw_argv = rest
-    from inflight.heap import retain_freed_memory  # lazy: start-up cost (ctypes, subprocess): a fast `--help`
+    from inflight.process import retain_freed_memory  # lazy: start-up cost (ctypes, subprocess): a fast `--help`
 
     retain_freed_memory()  # every command's process (serve, sft, the train launcher); the roles call it too
     return int(module.run(args) or 0)

@@ -165,8 +165,8 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inflight.host import free_port
-    from inflight.trainer.protocols import make_weight_sync
+    from inflight.process import free_port
+    from inflight.trainer.weight_sync import make_weight_sync
 
     model = models["tied"]
     shape = model_shape(model)

@@ -37,8 +37,8 @@ def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     from gpu_smoke import run_launcher
 
     from inflight.config import RunConfig, load_config
-    from inflight.host import free_port
     from inflight.pipeline.demo import prepare_model
+    from inflight.process import free_port
 
     deadline = a.deadline  # from the stage's start (the driver's clock), less the time to stop
     base = overrides(a, out)

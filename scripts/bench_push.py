@@ -21,7 +21,7 @@ from smoke_trainer import behaviour_logprobs, packed_samples, train_step
 
 
 def transports(a: Any) -> list[str]:
-    from inflight.trainer.protocols.inflight import TRANSPORTS
+    from inflight.trainer.weight_sync.inflight import TRANSPORTS
 
     if a.push_transports:
         return a.push_transports.split(",")
@@ -100,8 +100,8 @@ def measure(a: Any, transport: str, engine: Any, samples: list, url: str, name: 
     """`a.pushes` pushes over `transport`, each after an optimizer step, while `a.streams[0]` streams generate."""
     import httpx
 
-    from inflight.host import free_port
-    from inflight.trainer.protocols import make_weight_sync
+    from inflight.process import free_port
+    from inflight.trainer.weight_sync import make_weight_sync
 
     cuda = a.device.startswith("cuda")
     tcfg = run_config(a, [f"trainer.weight_transport={transport}", f"pipeline.weight_sync_port={free_port()}"])

@@ -66,8 +66,8 @@ def profile_step(engine: Any, samples: list, tokens: int, cuda: bool, rows: int 
 def run(a: Any, rep: Report, models: dict[str, str], out: Path) -> None:
     import torch
 
-    from inflight.trainer import varlen
     from inflight.trainer.factory import make_trainer
+    from inflight.trainer.kernels import varlen
 
     cuda = a.device.startswith("cuda")
     model = models["tied"]

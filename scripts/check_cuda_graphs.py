@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpu_smoke import build_models  # noqa: E402  (scripts/ is on the path: this file's folder)
-from inflight.engine import decode_attention as da  # noqa: E402
+
 from inflight.engine.core import InferenceEngine  # noqa: E402
-from inflight.engine.sampling import SamplingParams  # noqa: E402
+from inflight.engine.model import decode_attention as da  # noqa: E402
+from inflight.engine.model.sampling import SamplingParams  # noqa: E402
 
 
 def attention_part(device: str) -> dict:

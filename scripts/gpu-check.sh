@@ -44,7 +44,7 @@ curl -sf "localhost:$PORT/health" || { tail -50 "$OUT/server.log"; exit 1; }
 "$PY" - "$MODEL" "$PORT" <<'EOF'
 import sys, time, threading, torch, httpx
 from transformers import AutoModelForCausalLM
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 model_dir, port = sys.argv[1], sys.argv[2]
 url = f"http://127.0.0.1:{port}"
 name = model_dir.rstrip("/").split("/")[-1]

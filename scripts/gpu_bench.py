@@ -133,7 +133,7 @@ def watch_parent() -> None:
 
 def run_stage(a: argparse.Namespace, name: str, cap: float, argv: list[str]) -> dict[str, Any]:
     """The stage as a subprocess (its own process group) under `cap` seconds; its report file, read back."""
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     out = Path(a.out).resolve()
     path = out / f"stage-{name}.json"

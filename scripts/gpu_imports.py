@@ -37,17 +37,17 @@ WHEELS = ROOT / "scripts" / "gpu-wheels.sh"
 MODULES = (
     "gpu_bench", "bench_common", "bench_engine", "bench_trainer", "bench_push", "bench_pipeline", "gpu_smoke",
     "smoke_server", "smoke_trainer", "bench.pipeline",
-    "inflight.cli", "inflight.engine.serve", "inflight.engine.server", "inflight.engine.builtin_backend",
-    "inflight.engine.graph_runner", "inflight.engine.decode_attention", "inflight.engine.ipc_receiver",
-    "inflight.pipeline.launch_common", "inflight.pipeline.supervise", "inflight.pipeline.report",
-    "inflight.pipeline.demo", "inflight.pipeline.metrics", "inflight.pipeline.progress",
-    "inflight.trainer.factory", "inflight.trainer.fsdp", "inflight.trainer.single", "inflight.trainer.varlen",
-    "inflight.trainer.protocols", "inflight.trainer.protocols.inflight", "inflight.trainer.ipc_push",
+    "inflight.cli", "inflight.engine.serve", "inflight.engine.api.server", "inflight.engine.builtin_backend",
+    "inflight.engine.model.graph_runner", "inflight.engine.model.decode_attention", "inflight.engine.weights.ipc_receiver",
+    "inflight.pipeline.launch_common", "inflight.pipeline.supervise", "inflight.report.page",
+    "inflight.pipeline.demo", "inflight.report.metrics", "inflight.pipeline.progress",
+    "inflight.trainer.factory", "inflight.trainer.fsdp", "inflight.trainer.single", "inflight.trainer.kernels.varlen",
+    "inflight.trainer.weight_sync", "inflight.trainer.weight_sync.inflight", "inflight.trainer.weight_sync.ipc_push",
     "inflight.streams.serialize", "inflight.actor.run", "inflight.tasks", "inflight.modelkit.build",
-    "inflight.config", "inflight.cuda_ipc", "inflight.shm_weights",
+    "inflight.config", "inflight.transport.cuda_ipc", "inflight.transport.shm",
     # lazy on the bench's paths
     "uvicorn", "fastapi", "httptools", "uvloop", "orjson", "omegaconf", "msgpack", "redis", "httpx", "aiohttp",
-    "safetensors", "transformers", "peft", "accelerate", "tokenizers", "yaml", "tqdm", "rich", "numpy",
+    "safetensors", "transformers", "peft", "accelerate", "tokenizers", "yaml", "tqdm", "numpy",
     "prometheus_client", "pydantic", "torch.distributed.fsdp", "torch.profiler",
 )
 # Not needed on the GPU (the bench runs without them); absent from the image is fine.

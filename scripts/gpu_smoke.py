@@ -96,7 +96,7 @@ def write_task(out: Path, n: int = 96) -> str:
 
 def trainer_stage(a: argparse.Namespace, model: str, out: Path, world: int = 1) -> dict[str, Any]:
     """scripts/smoke_trainer.py as `world` FSDP2 ranks (rank r on cuda:r; gloo on CPU)."""
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     port, probe = free_port(), out / f"trainer-world{world}.json"
     probe.unlink(missing_ok=True)
@@ -130,7 +130,7 @@ def train_stage(a: argparse.Namespace, model: str, task: str, out: Path, server_
     """Six steps of `inflight train` with the documented GPU config, shrunk to one server and `ranks` trainer ranks
     (both on GPU 0 by default: then the gloo weight group, since NCCL refuses two ranks on one device; the weight
     group holds trainer rank 0 and the server, so with ranks on GPUs 0 and 1 a server on GPU 1 takes NCCL)."""
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     cuda = a.device.startswith("cuda")
     run_dir = out / ("train" if ranks == 1 else f"train-{ranks}ranks")

@@ -167,7 +167,7 @@ def server_stage(a: Any, engine: str, model_dir: str, out: Path, dtype: str, pyt
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     cuda = a.device.startswith("cuda")
     trainer_device = trainer_device or a.device

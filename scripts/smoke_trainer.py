@@ -27,9 +27,9 @@ from inflight.algo.losses import make_loss, merge_stats  # noqa: E402
 from inflight.config.algo import AlgoConfig  # noqa: E402
 from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.contracts import Sample  # noqa: E402
-from inflight.pipeline.checkpoint import CheckpointState, save_checkpoint  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.factory import make_trainer  # noqa: E402
+from inflight.trainer.loop.checkpoint import CheckpointState, save_checkpoint  # noqa: E402
 from inflight.trainer.packing import collate, count_loss_tokens  # noqa: E402
 
 
@@ -117,7 +117,7 @@ def main() -> int:
     if rank == 0:
         state = CheckpointState(step=2, version=2, samples_trained=2 * len(samples), next_group=2)
         path = save_checkpoint(root, "step-2", engine, state)
-    else:  # the other ranks join the collectives of save and train_state, as pipeline/fsdp_loop.py does
+    else:  # the other ranks join the collectives of save and train_state, as trainer/loop/fsdp_loop.py does
         engine.save("")
         engine.train_state()
     figures["checkpoint_s"] = time.perf_counter() - t2

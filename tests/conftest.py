@@ -96,9 +96,9 @@ CONVERTER_PACKAGES = ("torch", "transformers", "tokenizers", "gguf", "numpy", "s
 def _converter_key() -> str:
     from importlib.metadata import version
 
-    from inflight.contracts import tied_aliases
+    from inflight.transport.layout import tied_aliases
 
-    h = hashlib.sha256(inspect.getsource(tied_aliases).encode())  # the one function gguf.py takes from contracts.py
+    h = hashlib.sha256(inspect.getsource(tied_aliases).encode())  # the one function gguf.py takes from transport/layout.py
     for rel in CONVERTER_FILES:
         h.update((REPO / rel).read_bytes())
     for pkg in CONVERTER_PACKAGES:

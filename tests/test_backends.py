@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from inflight import backends
+from inflight.backends import startup_timeout
 from inflight.config import RunConfig, load_config
-from inflight.pipeline.launch_common import check_config, engine_options, server_command, startup_timeout
+from inflight.pipeline.launch_common import check_config, engine_options, server_command
 
 
 @pytest.fixture
@@ -55,9 +56,9 @@ def test_a_plugin_module_that_does_not_import_is_named(monkeypatch):
 def test_a_registered_backend_reaches_every_role(toy, tiny_model_dir, tmp_path):
     """Config checks, the server's command line (its own option names), the trainer's protocol and the actor's
     adapter all come from the one registration."""
-    from inflight.actor.adapters import get_adapter
-    from inflight.trainer.protocols import make_weight_sync
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.actor.response_parsers import get_adapter
+    from inflight.trainer.weight_sync import make_weight_sync
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     assert backends.names() == ["builtin", "vllm", "sglang", "toy"]
     cfg = load_config(RunConfig, None, [f"model.path={tiny_model_dir}", "server.engine=toy", "trainer.protocol=toy",

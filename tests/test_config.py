@@ -51,7 +51,7 @@ def test_resolved_config_is_written_and_reloads(tmp_path):
 def test_startup_timeout_auto_by_engine():
     """pipeline.startup_timeout_s 0 = a default for the engine: vLLM / SGLang servers compile at start, several at
     once take longer; an explicit value always wins."""
-    from inflight.pipeline.launch_common import startup_timeout
+    from inflight.backends import startup_timeout
 
     assert startup_timeout(load_config(RunConfig, None, [])) == 180.0
     assert startup_timeout(load_config(RunConfig, None, ["server.engine=vllm", "server.num_servers=4"])) == 780.0

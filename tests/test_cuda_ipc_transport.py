@@ -1,4 +1,4 @@
-"""The same-device transport (trainer.weight_transport=cuda_ipc, inflight/cuda_ipc.py) against a real `inflight
+"""The same-device transport (trainer.weight_transport=cuda_ipc, inflight/transport/cuda_ipc.py) against a real `inflight
 serve` process: on CPU through its stand-in (a shared-memory file in place of the CUDA IPC handle: the same
 protocol, header and refusals), on a GPU through real CUDA IPC. Logprobs after a push are compared with an
 independent float64 transformers forward of the pushed weights; every refusal leaves weights and version as they
@@ -17,11 +17,11 @@ from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from inflight.contracts import IpcBuffer, WeightUpdateRequest
-from inflight.cuda_ipc import IPC_HEADER_BYTES, IpcError, IpcWriter, check_handle, open_buffer
-from inflight.engine.ipc_receiver import ipc_local_only
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.engine.weights.ipc_receiver import ipc_local_only
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.transport.cuda_ipc import IPC_HEADER_BYTES, IpcError, IpcWriter, check_handle, open_buffer
+from inflight.transport.schemas import IpcBuffer, WeightUpdateRequest
 from tests.test_weight_sync import chat, check_matches, fingerprint, perturbed, reference_logprobs, server_logprobs
 
 torch.set_num_threads(1)

@@ -63,7 +63,7 @@ def test_report_without_matplotlib(tmp_path):
         import gpu_imports as g
         g.install(image=g.image_packages() - {{"matplotlib"}})
         from tests.pipeline.test_report_and_docs import _fake_run
-        from inflight.pipeline.report import write_report
+        from inflight.report.page import write_report
         _fake_run({str(tmp_path)!r}, 4, 0.3, 0.2)
         print(write_report([{str(tmp_path)!r}]))
         assert "matplotlib" not in sys.modules

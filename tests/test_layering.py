@@ -14,12 +14,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
 # Bottom to top. `config` (inflight/config/) holds the RunConfig and one module of plain dataclasses per role, on the
 # bottom floor, so every role may read any role's settings.
 FLOORS: list[tuple[str, ...]] = [
-    ("contracts", "backends", "heap", "host", "native", "finite", "shm_weights", "config"),
-    ("cuda_ipc",),  # the same-device transport: the shm layout and header over a CUDA buffer (both ends)
+    ("contracts", "process", "native", "config"),
+    ("backends", "transport"),  # the backend registry; the weight transport both ends share (schemas, layouts, shm, ipc)
     ("tasks", "algo", "streams"),
     ("modelkit",),
     ("engine", "trainer", "rewards"),
     ("actor",),
+    ("report",),  # the run's metrics file and the report read from it
     ("pipeline",),
     ("plan",),  # the simulator needs only config; its profiler drives engine, trainer, actor and a launcher's server
     ("cli",),
@@ -137,7 +138,7 @@ def test_the_circle_finder_finds_circles(graph, circle):
 
 def test_the_floor_rule_sees_an_upward_import():
     assert "inflight.pipeline.launcher" in GRAPH["inflight.pipeline.train"]  # lazy imports are read too
-    assert FLOOR[_folder("inflight.pipeline.launcher")] > FLOOR[_folder("inflight.engine.server")]
+    assert FLOOR[_folder("inflight.pipeline.launcher")] > FLOOR[_folder("inflight.engine.api.server")]
     assert _folder("inflight.config.trainer") == "config" and _folder("inflight.pipeline.config_docs") == "pipeline"
 
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.transport.layout import bucket_layout, packed_bytes
+from inflight.transport.schemas import ParamInfo
 from tests.engine.test_core import gpt2_dir  # noqa: F401  (a fixture: a GPT-2 model, the generic HF path)
 from tests.servers import generation_across_update, model_of, serve_model
 
@@ -295,8 +296,8 @@ def test_adapter_on_a_tied_model(tied_model_dir, tmp_path):
 
 
 def test_adapter_of_every_linear_over_shared_memory(server, sync, tiny_model_dir, tmp_path):
-    from inflight.contracts import shm_layout
-    from inflight.shm_weights import ShmWriter, announcement_digest
+    from inflight.transport.layout import shm_layout
+    from inflight.transport.shm import ShmWriter, announcement_digest
 
     w0 = base_weights(tiny_model_dir, seed=80)
     sync.push(w0.items(), version=80)
@@ -325,10 +326,10 @@ def test_adapter_rebuilds_the_derived_generator_weights(tiny_model_dir, tmp_path
     update must reach them, as a full update does. The fused q|k|v matrix the forward uses = merged q, k, v."""
     import asyncio
 
-    from inflight.contracts import WeightUpdateRequest
-    from inflight.engine import precision as prec
     from inflight.engine.core import InferenceEngine
-    from inflight.engine.weight_receiver import WeightReceiver
+    from inflight.engine.model import precision as prec
+    from inflight.engine.weights.receiver import WeightReceiver
+    from inflight.transport.schemas import WeightUpdateRequest
 
     monkeypatch.setattr(prec, "PACK_MIN_ELEMENTS", 1)  # the tiny matrices would not be packed otherwise
     eng = InferenceEngine(str(tiny_model_dir), max_batch=2, max_model_len=64, generator_precision=precision)
@@ -430,9 +431,9 @@ def test_adapter_on_the_generic_hf_path_is_copied_in(gpt2_dir, tmp_path):
     """Off the fast llama path there is no fused storage to swap: the merged weights are copied in (and reverted)."""
     import asyncio
 
-    from inflight.contracts import WeightUpdateRequest
     from inflight.engine.core import InferenceEngine
-    from inflight.engine.weight_receiver import WeightReceiver
+    from inflight.engine.weights.receiver import WeightReceiver
+    from inflight.transport.schemas import WeightUpdateRequest
 
     eng = InferenceEngine(str(gpt2_dir), max_batch=2, max_model_len=64)
     assert not eng.fast_path

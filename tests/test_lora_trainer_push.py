@@ -11,9 +11,9 @@ import torch
 from inflight.config.trainer import LoraConfig, TrainerConfig
 from inflight.contracts import Sample
 from inflight.trainer.packing import pack_samples
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
 from inflight.trainer.single import SingleDeviceTrainer
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 from tests.servers import serve_model
 from tests.trainer.helpers import ReinforceLoss, random_samples
 

@@ -5,9 +5,10 @@ needed no conversion is sent as it is (never copied)."""
 import pytest
 import torch
 
-from inflight.contracts import ParamInfo, bucket_layout, packed_bytes
-from inflight.engine.weight_receiver import unpack
-from inflight.trainer.prepared import prepare_update
+from inflight.engine.weights.receiver import unpack
+from inflight.trainer.weight_sync.prepared import prepare_update
+from inflight.transport.layout import bucket_layout, packed_bytes
+from inflight.transport.schemas import ParamInfo
 
 SHAPES = [(3, 5), (7,), (64, 64), (1,), (0,), (33, 17), (128, 40), (2, 2), (300,)]
 

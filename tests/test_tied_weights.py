@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.contracts import tied_aliases
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.transport.layout import tied_aliases
 
 torch.set_num_threads(1)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -41,8 +41,8 @@ def test_trainer_names_each_tied_tensor_once(tied_model_dir, tiny_model_dir):
 def test_engine_update_of_the_embedding_refreshes_the_derived_head(tied_model_dir, monkeypatch, precision):
     """The output layer the forward computes with is derived (pre-packed for oneDNN in float32, a bf16 copy): an
     update that names only the embedding must rebuild it from the new values."""
-    from inflight.engine import precision as prec
     from inflight.engine.core import InferenceEngine
+    from inflight.engine.model import precision as prec
 
     monkeypatch.setattr(prec, "PACK_MIN_ELEMENTS", 1)  # the tiny head would not be packed otherwise
     eng = InferenceEngine(str(tied_model_dir), max_batch=2, max_model_len=64, generator_precision=precision)

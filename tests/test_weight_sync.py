@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 from tests.servers import generation_across_update, model_of, serve_model
 
 torch.set_num_threads(1)
@@ -96,7 +96,8 @@ def test_broadcast_update_changes_logprobs_to_new_weights(server, hf, sync):
 
 
 def test_bucket_layout_packs_small_tensors_in_order_and_leaves_large_ones_alone():
-    from inflight.contracts import BUCKET_ALIGN, ParamInfo, bucket_layout, packed_bytes
+    from inflight.transport.layout import BUCKET_ALIGN, bucket_layout, packed_bytes
+    from inflight.transport.schemas import ParamInfo
 
     shapes = [([3], "float32"), ([100, 100], "float32"), ([5], "bfloat16"), ([7, 3], "float16"), ([1000, 1000],
               "float32"), ([9], "float32")]
@@ -248,7 +249,7 @@ def test_trainer_step_then_broadcast_server_matches_trainer_forward(tiny_model_d
 def test_init_process_group_fails_fast_when_a_server_cannot_join(server):
     """One good server and one address where nothing listens: the call fails at once, naming the dead server,
     instead of waiting for the group's timeout (10 s here); close() then waits for the abandoned set-up to end."""
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     client = WeightSyncClient([server.url, dead], timeout_s=10)
@@ -265,7 +266,7 @@ def test_a_new_group_supersedes_a_receive_whose_broadcast_never_comes(server, hf
     when its abort cannot free a group with an op still pending). The trainer forms the group again: the stalled
     update answers 409 at once (the group timeout is 60 s), nothing was applied, and a push on the new group lands
     exactly."""
-    from inflight.trainer.protocols.common import ServerAnswered
+    from inflight.trainer.weight_sync.common import ServerAnswered
 
     client = WeightSyncClient([server.url], timeout_s=60)
     try:

@@ -36,14 +36,15 @@ def main(argv: list[str]) -> int:
     """`inflight serve --engine toy --model DIR --host H --port P --toy-slots N --toy-context N`."""
     import uvicorn
 
+    from inflight.engine.api.guards import Admission
+    from inflight.engine.api.http_errors import Auth
+    from inflight.engine.api.metrics import ServerMetrics
+    from inflight.engine.api.routes_health import health_router
+    from inflight.engine.api.routes_openai import openai_router
+    from inflight.engine.api.routes_weights import weights_router
+    from inflight.engine.api.server import base_app
     from inflight.engine.core import InferenceEngine
-    from inflight.engine.guards import Admission
-    from inflight.engine.http_errors import Auth
-    from inflight.engine.routes_health import health_router, prometheus_text
-    from inflight.engine.routes_openai import openai_router
-    from inflight.engine.routes_weights import weights_router
-    from inflight.engine.server import base_app
-    from inflight.engine.weight_receiver import WeightReceiver
+    from inflight.engine.weights.receiver import WeightReceiver
 
     p = argparse.ArgumentParser(prog="inflight serve --engine toy")
     for flag, kw in [("--model", dict(required=True)), ("--host", dict(default="127.0.0.1")),
@@ -53,10 +54,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     engine = InferenceEngine(args.model, max_batch=args.toy_slots, max_model_len=args.toy_context, threads=1)
     receiver, admission, auth = WeightReceiver(engine), Admission(args.toy_slots, None), Auth(args.api_key)
-    app = base_app(engine)
-    app.include_router(openai_router(engine, admission, auth))
-    app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates)))
-    app.include_router(weights_router(receiver, auth, limits=engine, own_port=args.port))
+    app, metrics = base_app(engine), ServerMetrics(engine, receiver, admission)
+    app.include_router(openai_router(engine, admission, auth, metrics=metrics))
+    app.include_router(health_router(engine, auth, metrics))
+    app.include_router(weights_router(receiver, auth, limits=engine, own_port=args.port, metrics=metrics))
     mark("server", f"slots={engine.max_batch} context={engine.max_model_len}")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -68,7 +69,7 @@ def check_config(cfg: Any) -> None:
 
 
 def make_client(cfg: Any, server_urls: list[str], common: dict[str, Any]) -> Any:
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     check_config(cfg)
     mark("protocol", ",".join(server_urls))
@@ -79,7 +80,7 @@ _parsed = False
 
 
 def parse(resp: dict[str, Any]) -> list[Any]:
-    from inflight.actor.adapters import parse_builtin
+    from inflight.actor.response_parsers import parse_builtin
 
     global _parsed
     if not _parsed:

@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from inflight.tasks import TaskConfig, get_task  # noqa: E402
 from inflight.modelkit.greedy import greedy_accuracy as _greedy  # noqa: E402
+from inflight.tasks import TaskConfig, get_task  # noqa: E402
 
 PROMPT = "{expr}="  # the short prompt the warm start and every compared run use
 

@@ -8,12 +8,13 @@
 """
 
 from inflight.actor.actor import Actor, ActorMetrics
-from inflight.actor.adapters import Completion, ResponseError, get_adapter
 from inflight.actor.evaluate import evaluate
+from inflight.actor.response_parsers import Completion, ResponseError, get_adapter
 from inflight.actor.rollout import RolloutClient, default_rollout
-from inflight.actor.run import open_actor, pipeline_limits, run_actor
+from inflight.actor.run import open_actor, run_actor
 from inflight.actor.server_pool import BadRequest, RequestFailed, ServerPool
 from inflight.config.actor import ActorConfig
+from inflight.config.limits import pipeline_limits
 
 __all__ = [
     "Actor", "ActorConfig", "ActorMetrics", "BadRequest", "Completion", "RequestFailed", "ResponseError",

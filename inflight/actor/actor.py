@@ -31,6 +31,7 @@ from inflight.actor.evaluate import evaluate
 from inflight.actor.rollout import RolloutClient, RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
 from inflight.config.actor import ActorConfig
+from inflight.config.limits import Staleness, actor_staleness
 from inflight.contracts import Group, Stream, Task, TaskSample, Verification
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ class Actor:
         groups_given_up: int = 0,  # resume: indices below first_group that were never delivered
         min_version: int = -1,  # resume: start nothing before the trainer publishes this version
         served: Callable[[int], str | None] | None = None,  # stock vLLM LoRA: version -> adapter name (rollout.py)
+        staleness: Staleness | None = None,  # the run's bound (config/limits.py); None = cfg's, pipelined
     ):
-        if cfg.max_lag < 0 or cfg.groups_per_step < 1 or cfg.group_size < 1:
+        self.staleness = staleness or actor_staleness(cfg)
+        if self.staleness.max_lag < 0 or cfg.groups_per_step < 1 or cfg.group_size < 1:
             raise ValueError("actor needs max_lag >= 0, groups_per_step >= 1, group_size >= 1")
         self.cfg, self.task, self.pool, self.rewards, self.stream = cfg, task, pool, rewards, stream
         self.rollout = rollout
@@ -137,7 +140,7 @@ class Actor:
     # ------------------------------------------------------------------------------------------------ one group
     def bound(self, trainer_version: int) -> int:
         """How many groups may have been started (excluding failed ones) at this trainer version."""
-        return self.cfg.groups_allowed(trainer_version)
+        return self.staleness.groups_allowed(trainer_version)
 
     @property
     def live_groups(self) -> int:
@@ -177,7 +180,7 @@ class Actor:
     def oldest_version(self, index: int) -> int:
         """The oldest weights group `index` may be sampled from: it is trained on weights index // groups_per_step,
         so its tokens must be at most max_lag versions older (0 = any)."""
-        return max(0, index // self.cfg.groups_per_step - self.cfg.max_lag) if self.cfg.gated else 0
+        return self.staleness.request_min_version(index)
 
     def _start_group(self, trainer_version: int) -> asyncio.Task:
         index = self.metrics.groups_started

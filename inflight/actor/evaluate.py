@@ -15,8 +15,8 @@ from collections import Counter
 from typing import Any, Awaitable, Callable
 
 from inflight import backends
-from inflight.actor.adapters import Completion
 from inflight.actor.eval_subset import binomial_stderr, rotating_subset
+from inflight.actor.response_parsers import Completion
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.server_pool import ServerPool
 from inflight.algo.truncation import is_truncated

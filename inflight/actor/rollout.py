@@ -28,7 +28,7 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from inflight import backends
-from inflight.actor.adapters import Completion, ResponseError
+from inflight.actor.response_parsers import Completion, ResponseError
 from inflight.actor.server_pool import ServerPool
 from inflight.config.actor import ActorConfig
 from inflight.contracts import Sample, TaskSample

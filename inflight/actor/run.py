@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -25,24 +24,14 @@ from inflight.actor.rollout import RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
 from inflight.actor.turns import TurnRenderer
 from inflight.config import RunConfig
-from inflight.contracts import Stream, served_adapter_name
-from inflight.engine.chat_template import use_chat_template
-from inflight.heap import freeze_startup_objects
+from inflight.config.limits import pipeline_limits, staleness
+from inflight.contracts import Stream
+from inflight.engine.api.chat_template import use_chat_template
+from inflight.process import freeze_startup_objects
 from inflight.rewards import RewardService
 from inflight.tasks import get_task
-from inflight.trainer.protocols import protocol_of
-
-
-def pipeline_limits(run_cfg: RunConfig) -> tuple[int, float]:
-    """(max_groups, max_seconds) from pipeline.max_steps / max_samples / max_minutes; 0 = no limit.
-    The actor produces exactly what the trainer will consume: max_steps × groups_per_step groups."""
-    p, a = run_cfg.pipeline, run_cfg.actor
-    limits = []
-    if p.max_steps > 0:
-        limits.append(p.max_steps * a.groups_per_step)
-    if p.max_samples > 0:
-        limits.append(math.ceil(p.max_samples / a.group_size))
-    return (min(limits) if limits else 0), p.max_minutes * 60.0
+from inflight.trainer.weight_sync import protocol_of
+from inflight.transport.schemas import served_adapter_name
 
 
 def make_rewards(run_cfg: RunConfig) -> Any:
@@ -119,7 +108,8 @@ async def open_actor(
         yield Actor(a, task, pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
                     max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,
                     first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])),
-                    min_version=int(r.get("version", -1)), served=served_names(run_cfg))
+                    min_version=int(r.get("version", -1)), served=served_names(run_cfg),
+                    staleness=staleness(run_cfg))
     finally:
         await pool.aclose()
         if own_rewards:

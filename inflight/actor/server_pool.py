@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from inflight import backends
-from inflight.actor.adapters import Completion, get_adapter
+from inflight.actor.response_parsers import Completion, get_adapter
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inflight.engine.chat_template import TemplateAbilities
+from inflight.engine.api.chat_template import TemplateAbilities
 
 _MARKER = "INFLIGHT-REPLY-7f3a"  # stands for the assistant's content; plain text every template keeps as is
 _STANDIN_USER = {"role": "user", "content": "hi"}

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 class ActorConfig:
     group_size: int = 8  # G samples per prompt
     groups_per_step: int = 16  # prompts per optimizer step
-    max_lag: int = 1  # staleness bound, in weight versions
+    max_lag: int = 1  # staleness bound, in weight versions (sync mode applies num_grad_steps - 1: config/limits.py)
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -15,7 +15,7 @@ class ActorConfig:
     retries: int = 5
     backoff_s: float = 0.2  # first retry delay; doubles each retry
     probe_interval_s: float = 0.5  # how often a server out of rotation is probed (GET /health)
-    adapter: str = "builtin"  # response shape: a backend's name (inflight/backends.py; parsers: actor/adapters.py)
+    adapter: str = "builtin"  # response shape: a backend's name (inflight/backends.py; parsers: actor/response_parsers.py)
     eval_every: int = 10  # trainer steps between held-out evaluations (0 = never)
     # with eval_every > 0, a fresh run first evaluates the starting weights, before any rollout (so every token of
     # it is version 0): the base model's held-out accuracy, logged as an eval record with base=true
@@ -42,12 +42,6 @@ class ActorConfig:
     def __post_init__(self) -> None:
         if self.eval_subset < 0:
             raise ValueError(f"actor.eval_subset must be >= 0 (0 = the whole held-out split), not {self.eval_subset}")
-
-    def groups_allowed(self, trainer_version: int) -> int:
-        """How many groups may have been started (and not given up) once the trainer published `trainer_version`:
-        AReaL's bound (version + max_lag + 1) x groups_per_step, plus queue_ahead steps held at gated servers."""
-        ahead = self.queue_ahead if self.gated else 0
-        return max(0, (trainer_version + self.max_lag + 1 + ahead) * self.groups_per_step)
 
     @property
     def gated(self) -> bool:

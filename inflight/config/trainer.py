@@ -41,6 +41,5 @@ class TrainerConfig:
     weight_backend: str = "auto"  # process_group: nccl | gloo | auto (nccl on a CUDA trainer, else gloo)
     weight_bucket_mb: float = 16.0  # process_group: small tensors packed into one broadcast per bucket (0 = per tensor)
     shm_dir: str = "/dev/shm"  # shm and file transports: a memory file system all servers of the host can read
-    shm_lend: bool = True  # shm: two segments in turn, each left alone until the next update is answered (servers copy)
     protocol: str = "inflight"  # weight-update protocol of the servers: inflight, vllm, sglang (inflight/backends.py)
     lora: LoraConfig | None = None  # null: full fine-tuning; set (e.g. trainer.lora.rank=8): a LoRA adapter

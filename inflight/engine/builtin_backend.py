@@ -5,22 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from inflight.backends import BUILTIN, InferenceBackend, register
+from inflight.config.engine import to_argv
 
 
 def options(s: Any, cuda: bool) -> list[str]:
-    """server.* as `inflight serve` options."""
-    return ["--dtype", s.dtype, "--max-batch", str(s.max_batch), "--max-model-len", str(s.max_model_len),
-            "--max-tokens-per-step", str(s.max_tokens_per_step), "--threads", str(s.threads),
-            "--low-priority-prefill", str(s.low_priority_prefill), "--low-priority-seqs", str(s.low_priority_seqs),
-            *(["--generator-precision", s.generator_precision] if s.generator_precision != "float32" else []),
-            *([] if s.prefix_reuse else ["--no-prefix-reuse"]),
-            *(["--cuda-graphs", s.cuda_graphs] if s.cuda_graphs != "auto" else []),
-            *(["--chat-template", s.chat_template] if getattr(s, "chat_template", "") else []),
-            *(["--tool-call-parser", s.tool_call_parser] if getattr(s, "tool_call_parser", "auto") != "auto" else []),
-            *(["--device", "cuda"] if cuda else [])]
+    """server.* as `inflight serve` options: every setting (config/engine.py) not at its default, by the same mapping
+    that generates serve's options; the API key is every backend's (launch_common.server_argv)."""
+    return [*to_argv(s, skip=("api_key",)), *(["--device", "cuda"] if cuda else [])]
 
 
 BACKEND = register(InferenceBackend(
     name=BUILTIN, launcher=None, options="inflight.engine.builtin_backend:options",
-    protocol="inflight", protocol_module="inflight.trainer.protocols.inflight",
-    adapter="inflight.actor.adapters:parse_builtin", quick_start=True, restartable=True, ray=True))
+    protocol="inflight", protocol_module="inflight.trainer.weight_sync.inflight",
+    adapter="inflight.actor.response_parsers:parse_builtin", quick_start=True, restartable=True, ray=True))

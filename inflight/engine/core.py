@@ -49,6 +49,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -58,14 +59,18 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inflight.contracts import tied_aliases
-from inflight.engine import llama_runner, precision, schedule, step
-from inflight.engine.device_sampling import DeviceSampler
-from inflight.engine.graph_runner import DecodeGraphs, graphs_enabled
-from inflight.engine.hf_runner import HFRunner
-from inflight.engine.prefix_cache import Slots
-from inflight.engine.sampling import SamplingParams
-from inflight.engine.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
+from inflight.config.engine import EngineSettings
+from inflight.transport.layout import tied_aliases
+from inflight.engine.model import llama_runner
+from inflight.engine.model import precision
+from inflight.engine.scheduler import schedule
+from inflight.engine.scheduler import step
+from inflight.engine.model.device_sampling import DeviceSampler
+from inflight.engine.model.graph_runner import DecodeGraphs, graphs_enabled
+from inflight.engine.model.hf_runner import HFRunner
+from inflight.engine.scheduler.prefix_cache import Slots
+from inflight.engine.model.sampling import SamplingParams
+from inflight.engine.scheduler.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
 from inflight.modelkit.stops import stop_token_ids
 from inflight.modelkit.check import check_model_dir
 
@@ -76,49 +81,44 @@ T = TypeVar("T")
 class InferenceEngine:
     scores_prompts = True  # computes prompt logprobs (SamplingParams.prompt_logprobs, prompt_scores.py)
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu", max_batch: int = 128,
-                 max_model_len: int = 512, max_tokens_per_step: int = 4096, threads: int = 0,
-                 generator_precision: str = "float32", prefix_reuse: bool = True, cuda_graphs: str = "auto",
-                 device_sampling: bool | None = None, low_priority_prefill: int = 256,
-                 low_priority_seqs: int = 0):
-        if threads > 0:
-            torch.set_num_threads(threads)
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {dtype!r}")
+    def __init__(self, model_path: str, settings: EngineSettings | None = None, *, device: str = "cpu",
+                 device_sampling: bool | None = None, **overrides: Any):
+        """`settings`: the engine's settings (config/engine.py: `server.*`, `inflight serve` options; a ServerConfig
+        is one), checked there; `overrides` replace some of them (`InferenceEngine(path, max_batch=4)`)."""
+        s = dataclasses.replace(settings or EngineSettings(), **overrides)
+        if s.threads > 0:
+            torch.set_num_threads(s.threads)
         self.device = torch.device(device)
-        precision.check_precision(generator_precision, self.device)
+        precision.check_precision(s.generator_precision, self.device)
         if os.path.isdir(model_path):  # else a hub name: transformers explains its own errors
             check_model_dir(model_path)  # a clear error for a folder that is not a causal LM
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, s.dtype))
         # transformers wraps nn.Module.to with functools.wraps, and mypy then takes the device for `self`
         self.model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         self.model_name = os.path.basename(os.path.normpath(model_path))
         cfg = self.model.config
-        self.max_model_len = min(max_model_len, getattr(cfg, "max_position_embeddings", None) or max_model_len)
-        self.max_batch, self.max_tokens_per_step = max_batch, max(1, max_tokens_per_step)
-        if low_priority_prefill < 1:
-            raise ValueError(f"low_priority_prefill must be >= 1 token per step, not {low_priority_prefill}")
-        if low_priority_seqs < 0:
-            raise ValueError(f"low_priority_seqs must be >= 0 (0: no limit), not {low_priority_seqs}")
-        self.low_priority_prefill, self.low_priority_seqs = low_priority_prefill, low_priority_seqs
+        self.max_model_len = min(s.max_model_len, getattr(cfg, "max_position_embeddings", None) or s.max_model_len)
+        self.max_batch = max_batch = s.max_batch
+        self.max_tokens_per_step = max(1, s.max_tokens_per_step)
+        self.low_priority_prefill, self.low_priority_seqs = s.low_priority_prefill, s.low_priority_seqs
         embeddings: Any = self.model.get_input_embeddings()  # an nn.Embedding (or a subclass), per architecture
         self.vocab_size: int = embeddings.num_embeddings
         # generation config's eos ids, the tokenizer's eos and the chat template's end-of-turn token (stops.py)
         self.eos_ids = stop_token_ids(cfg, self.model.generation_config, self.tokenizer)
         why_not = llama_runner.supports(self.model)
-        graphs = graphs_enabled(cuda_graphs, self.device, why_not)  # only on the fast path
+        graphs = graphs_enabled(s.cuda_graphs, self.device, why_not)  # only on the fast path
         self.runner: llama_runner.LlamaRunner | HFRunner
         self.graphs: DecodeGraphs | None = None
         if why_not is None:  # CUDA graphs: one more KV slot, the padding rows' scratch
-            runner = llama_runner.LlamaRunner(self.model, max_batch + graphs, self.max_model_len, generator_precision)
+            runner = llama_runner.LlamaRunner(self.model, max_batch + graphs, self.max_model_len, s.generator_precision)
             if graphs:  # the graphs hold the weights' and the cache's addresses: updates copy in place from now on
                 runner.pin_storage()
                 self.graphs = DecodeGraphs(runner, max_batch, capture=self.device.type == "cuda")
                 log.info("decode steps: %s", self.graphs.status)
             self.runner = runner
-        elif generator_precision != "float32":
-            raise ValueError(f"generator_precision {generator_precision!r} needs the fast llama path: {why_not}")
+        elif s.generator_precision != "float32":
+            raise ValueError(f"generator_precision {s.generator_precision!r} needs the fast llama path: {why_not}")
         else:
             log.warning("the fast llama/qwen2 forward does not cover this model (%s): using the generic HF forward "
                         "(slower)", why_not)
@@ -126,13 +126,13 @@ class InferenceEngine:
         self.fast_path = why_not is None
         on_device = self.device.type != "cpu" if device_sampling is None else device_sampling
         self.sampler = DeviceSampler(max_batch, self.device, self.max_model_len) if on_device else None
-        self.generator_precision = generator_precision
+        self.generator_precision = s.generator_precision
         self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
         self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
         self.version = 0
         # state owned by the engine thread; finished sequences' slots kept for prefix reuse (the HF runner cannot
         # shorten its caches: there only a sequence's whole KV is reused)
-        self._slots = Slots(max_batch, self.runner.reset_slot, prefix_reuse, exact_only=not self.fast_path)
+        self._slots = Slots(max_batch, self.runner.reset_slot, s.prefix_reuse, exact_only=not self.fast_path)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._held: list[_Request] = []  # waiting for weights of their min_version, in arrival order
         self._running: list[_Seq] = []
@@ -367,7 +367,7 @@ class InferenceEngine:
             return
         order = sorted(self._waiting, key=lambda r: r.params.priority)  # stable: arrival order within a priority
         low = sum(s.req.params.priority > 0 for s in self._running) if self.low_priority_seqs else 0
-        k = 0
+        k, now = 0, time.monotonic()
         while k < len(order) and self._slots.available() >= order[k].params.n:
             req = order[k]
             if req.params.priority > 0 and self.low_priority_seqs:  # the rest of `order` is low priority too
@@ -380,6 +380,7 @@ class InferenceEngine:
                 self._st["prefix_reused_tokens_total"] += hit[1]
             first = _Seq(req, 0, *hit) if hit is not None else _Seq(req, 0, self._slots.alloc())
             req.seqs = [first] + [_Seq(req, i, self._slots.alloc()) for i in range(1, req.params.n)]
+            req.scheduled = now  # the server's queue-time metric (TokenEvent.scheduled)
             self._running.extend(req.seqs)
             k += 1
         if k:
@@ -469,11 +470,12 @@ class InferenceEngine:
                                              version)
         self._st["steps"] += 1
         if any(s.req.params.max_tokens == 0 for s in sampled):  # the prompt scored, nothing to generate
-            keep = [i for i, s in enumerate(sampled) if s.req.params.max_tokens > 0]
+            keep, now = [i for i, s in enumerate(sampled) if s.req.params.max_tokens > 0], time.monotonic()
             for s in sampled:
                 if s.req.params.max_tokens == 0:
                     ev = TokenEvent(s.index, -1, 0.0, version, None, "length", s.scores)
                     s.scores = None
+                    _stamp(ev, s, now)
                     self._release(s, "length", ev)
             self._running = [s for s in self._running if not s.done]
             rows, sampled = [rows[i] for i in keep], [sampled[i] for i in keep]
@@ -483,8 +485,9 @@ class InferenceEngine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         events = step.sample_next(logits, sampled, self._rng, self.sampler, self.runner.kernels, self.max_model_len,
                                   version)
-        finished = False
+        finished, now = False, time.monotonic()
         for s, ev in zip(sampled, events):
+            _stamp(ev, s, now)
             if ev.finish_reason is None:
                 self._emit(s.req, ev)
             else:
@@ -493,3 +496,11 @@ class InferenceEngine:
         self._st["generated_tokens_total"] += len(sampled)
         if finished:
             self._running = [s for s in self._running if not s.done]
+
+
+def _stamp(ev: TokenEvent, s: _Seq, now: float) -> None:
+    """The timings the server's metrics read from an event: when its step sampled it, and on choice 0's first
+    event, when its request was scheduled."""
+    ev.time = now
+    if s.index == 0 and s.n_gen <= 1:
+        ev.scheduled = s.req.scheduled

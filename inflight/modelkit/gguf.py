@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from inflight.contracts import tied_aliases
 from inflight.modelkit.stops import stop_token_ids
+from inflight.transport.layout import tied_aliases
 
 log = logging.getLogger("inflight.modelkit.gguf")
 

@@ -1,5 +1,5 @@
-"""Building and loading the C kernels of the engine and the trainer (inflight/engine/cpu_kernels.c,
-inflight/trainer/cpu_kernels.c; both include cpu_math.h from this folder).
+"""Building and loading the C kernels of the engine and the trainer (inflight/engine/model/cpu_kernels.c,
+inflight/trainer/kernels/cpu_kernels.c; both include cpu_math.h from this folder).
 
 Build: `cc -O3 -march=native` (plus the reassociation flags that let the reductions vectorize; not -ffast-math,
 whose start-up code would change the whole process's denormal handling) into $INFLIGHT_KERNEL_DIR, else

@@ -1,5 +1,5 @@
 /* Small float32 math shared by the C kernels of the engine (cpu_kernels.c) and the trainer
-   (trainer/cpu_kernels.c). Header-only: each includes it; the build hashes it with the source. */
+   (trainer/kernels/cpu_kernels.c). Header-only: each includes it; the build hashes it with the source. */
 
 #ifndef INFLIGHT_CPU_MATH_H
 #define INFLIGHT_CPU_MATH_H

@@ -3,7 +3,8 @@
     python -m inflight.pipeline.config_docs            # rewrite docs/configuration.md
     python -m inflight.pipeline.config_docs --check    # exit 1 if it is out of date
 
-Each option's description is the comment on its line in the dataclass source.
+Each option's description is its field's `help` (config/engine.py's settings), else the comment on its line in the
+dataclass source.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ def render() -> str:
         lines += ["", f"## `{f.name}` ({cls.__module__}.{cls.__name__})", "",
                   "| key | type | default | meaning |", "|---|---|---|---|"]
         for g in dataclasses.fields(cls):
-            lines.append(f"| `{f.name}.{g.name}` | {_type(g)} | {_fmt(_default(g))} | "
-                         f"{comments.get(g.name, '').replace('|', '/')} |")
+            meaning = g.metadata.get("help") or comments.get(g.name, "")  # config/engine.py's settings carry it
+            if g.metadata.get("choices"):
+                meaning = f"{' / '.join(g.metadata['choices'])}: {meaning}"
+            lines.append(f"| `{f.name}.{g.name}` | {_type(g)} | {_fmt(_default(g))} | {meaning.replace('|', '/')} |")
             for opt in _optional_section(g):  # e.g. trainer.lora: null, or these keys once one is set
                 sub_comments = _comments(opt)
                 for h in dataclasses.fields(opt):

@@ -19,12 +19,13 @@ import httpx
 from inflight import backends
 from inflight.config import RunConfig, save_config
 from inflight.config.engine import ServerConfig
+from inflight.config.limits import staleness
 from inflight.modelkit.check import check_model_dir
-from inflight.pipeline import checkpoint as ckpt
 from inflight.pipeline.procs import Child
 from inflight.pipeline.supervise import RoleFailed
 from inflight.pipeline.transport_check import check_weight_transport
-from inflight.trainer.protocols import check_protocol_config
+from inflight.trainer.loop import checkpoint as ckpt
+from inflight.trainer.weight_sync import check_protocol_config
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def warn_oversubscribed(cfg: RunConfig) -> None:
     a, s = cfg.actor, cfg.server
     per_request = a.group_size if a.use_n else 1  # use_n: one request carries the group's group_size sequences
     requested = a.concurrency_per_server * per_request * s.num_servers
-    in_flight = min(requested, a.groups_allowed(0) * a.group_size)  # the staleness bound caps the groups started
+    allowed = staleness(cfg).groups_allowed(0) * a.group_size  # the staleness bound caps the groups started
+    in_flight = min(requested, allowed)
     capacity = s.max_batch * s.num_servers
     wait_steps = (math.ceil(in_flight / capacity) - 1) * a.max_new_tokens  # rounds queued x a round's steps
     if wait_steps > QUEUE_WAIT_STEPS:
@@ -99,7 +101,7 @@ def warn_oversubscribed(cfg: RunConfig) -> None:
                     "actor.max_new_tokens %d), and actor.request_timeout_s (%.0f s) counts the wait; lower "
                     "actor.concurrency_per_server to %d or raise server.max_batch", in_flight,
                     a.concurrency_per_server, per_request, s.num_servers, requested,
-                    a.groups_allowed(0) * a.group_size, capacity, s.max_batch, s.num_servers, wait_steps,
+                    allowed, capacity, s.max_batch, s.num_servers, wait_steps,
                     a.max_new_tokens, a.request_timeout_s, max(1, s.max_batch // per_request))
 
 
@@ -110,26 +112,6 @@ def check_lora_run(cfg: RunConfig) -> None:
     if cfg.trainer.lora is None:
         return
     check_protocol_config(cfg)
-
-
-def startup_timeout(cfg: RunConfig) -> float:
-    """pipeline.startup_timeout_s, or when 0 a default for the engine: the built-in server is up in seconds; vLLM and
-    SGLang compile kernels and capture CUDA graphs at start, slower when several servers do it at once."""
-    if cfg.pipeline.startup_timeout_s > 0:
-        return float(cfg.pipeline.startup_timeout_s)
-    backend = backends.get(cfg.server.engine)
-    if backend.quick_start and cfg.trainer.protocol == backend.protocol:
-        return 180.0
-    servers = len(cfg.pipeline.server_urls) or cfg.server.num_servers
-    return 600.0 + 60.0 * max(0, servers - 1)
-
-
-def actor_config_for(cfg: RunConfig) -> RunConfig:
-    """Sync mode is the staleness bound at num_grad_steps - 1 with weights published once per round: the actor
-    then generates exactly one round of groups per published version (see docs/architecture.md)."""
-    if cfg.pipeline.mode == "sync":
-        cfg.actor.max_lag = cfg.pipeline.num_grad_steps - 1
-    return cfg
 
 
 def server_urls(cfg: RunConfig) -> list[str]:
@@ -197,8 +179,7 @@ def open_run(cfg: RunConfig, resume: bool) -> tuple[RunConfig, Path, Path | None
     """What every launcher does first: check the config, find (resume) or start afresh the run folder, and save the
     resolved config there. Returns (cfg, run_dir, checkpoint folder or None, its state or None)."""
     check_config(cfg)
-    cfg = actor_config_for(cfg)
-    cfg.pipeline.startup_timeout_s = startup_timeout(cfg)  # resolved once: every role reads this value
+    cfg.pipeline.startup_timeout_s = backends.startup_timeout(cfg)  # resolved once: every role reads this value
     run_dir = run_dir_of(cfg)
     resume_from, state = prepare_resume(cfg, run_dir) if resume else (None, None)
     if not resume:

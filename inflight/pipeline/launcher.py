@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from inflight.config import RunConfig
 from inflight.pipeline.local_launcher import run_pipeline_local
-from inflight.pipeline.ray_launcher import run_pipeline_ray
+from inflight.pipeline.ray.launcher import run_pipeline_ray
 
 
 def run_pipeline(cfg: RunConfig, resume: bool = False) -> int:

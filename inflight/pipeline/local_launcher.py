@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.config import RunConfig
-from inflight.pipeline import checkpoint as ckpt
+from inflight.config.limits import staleness
 from inflight.pipeline.launch_common import (
     MAX_RESTARTS,
     open_run,
@@ -23,12 +23,13 @@ from inflight.pipeline.launch_common import (
     thread_env,
     wait_healthy,
 )
-from inflight.pipeline.metrics import MetricsLogger
 from inflight.pipeline.procs import Child, ProcessGroup
 from inflight.pipeline.progress import Progress
 from inflight.pipeline.roles import actor_main, trainer_main
 from inflight.pipeline.supervise import RoleFailed, supervise
+from inflight.report.metrics import MetricsLogger
 from inflight.streams import make_stream
+from inflight.trainer.loop import checkpoint as ckpt
 
 
 def run_pipeline_local(cfg: RunConfig, resume: bool = False) -> int:
@@ -45,7 +46,7 @@ def run_pipeline_local(cfg: RunConfig, resume: bool = False) -> int:
     urls = server_urls(cfg)
     ctx = mp.get_context("spawn")
     stream = make_stream(cfg.pipeline, name=cfg.name, ctx=ctx,
-                         capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
+                         capacity=staleness(cfg).stream_capacity)
     if hasattr(stream, "reset"):
         stream.reset()
     progress = Progress(cfg, enabled=cfg.pipeline.progress)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from inflight.host import die_with_parent
+from inflight.process import die_with_parent
 
 
 def _preexec() -> None:  # runs in the forked child before exec

@@ -10,7 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from inflight.config import RunConfig
-from inflight.pipeline.metrics import MetricsTail
+from inflight.report.metrics import MetricsTail
 
 
 class Progress:

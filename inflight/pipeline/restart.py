@@ -5,7 +5,7 @@ built-in server behind a gate that answers 503 on /health and on the generation 
 one weight update. The actor's server pool took the server out of rotation when its connections were refused, and
 its probe (GET /health) puts it back only once the gate opens, so no request ever meets stale weights. The admin
 endpoints (and /metrics) pass the gate: the trainer's next weight update fails on the new server (it is in no weight
-group), the trainer forms the group again with every server (`rejoin_weight_group`) and retries the update; that
+group), the trainer forms the group again with every server (`trainer/weight_sync/rejoin.py`) and retries the update; that
 update opens the gate.
 """
 
@@ -15,10 +15,7 @@ import argparse
 import json
 import logging
 import sys
-import time
 from typing import Any
-
-import httpx
 
 from inflight import backends
 from inflight.engine import serve
@@ -52,54 +49,6 @@ class WeightGate:
             await send(message)
 
         return await self.app(scope, receive, watch)
-
-
-def reachable(url: str, api_key: str = "", timeout_s: float = 2.0) -> bool:
-    """The server process answers HTTP (a gated server's 503 counts: it is up, only not yet serving)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        return httpx.get(url + "/health", timeout=timeout_s, headers=headers).status_code in (200, 503)
-    except httpx.HTTPError:
-        return False
-
-
-def refused(url: str) -> bool:
-    """The server's port refuses connections: its process is gone (a slow answer is not counted)."""
-    try:
-        httpx.get(url + "/health", timeout=2.0)
-        return False
-    except httpx.ConnectError:
-        return True
-    except httpx.HTTPError:
-        return False
-
-
-def server_versions(urls: list[str], api_key: str = "") -> dict[str, Any]:
-    """{url: version of its weights, or 'down' / 'waiting for weights'} (for error messages and tests)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    out: dict[str, Any] = {}
-    for url in urls:
-        try:
-            r = httpx.get(url + "/health", timeout=2.0, headers=headers)
-            out[url] = r.json().get("version") if r.status_code == 200 else "waiting for weights"
-        except (httpx.HTTPError, ValueError):
-            out[url] = "down"
-    return out
-
-
-def rejoin_weight_group(sync: Any, timeout_s: float, api_key: str = "") -> None:
-    """Wait until every server answers, then form the weight-update group again on a fresh port (the old store's
-    port is still held; servers that were in the old group replace it with the new one)."""
-    deadline = time.monotonic() + timeout_s
-    while not all(reachable(u, api_key) for u in sync.urls):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"servers not back after {timeout_s:.0f} s: {server_versions(sync.urls, api_key)}")
-        time.sleep(0.5)
-    if getattr(sync, "transport", None) == "file":  # only the built-in protocol has a file transport
-        return
-    sync.drop_group()  # shut down and freed off this thread: a broadcast still in flight on it never blocks here
-    sync.master_port = 0
-    sync.init_process_group()
 
 
 def main(argv: list[str]) -> int:

@@ -13,15 +13,16 @@ from typing import Any
 import torch
 
 from inflight.actor import run_actor
+from inflight.backends import startup_timeout
 from inflight.config import RunConfig
-from inflight.heap import freeze_startup_objects, retain_freed_memory
-from inflight.pipeline.checkpoint import model_folder, restore_trainer
-from inflight.pipeline.fsdp_loop import DistributedTrainerLoop
-from inflight.pipeline.launch_common import startup_timeout, wait_healthy
-from inflight.pipeline.metrics import MetricsLogger
-from inflight.pipeline.trainer_loop import TrainerLoop
+from inflight.pipeline.launch_common import wait_healthy
+from inflight.process import freeze_startup_objects, retain_freed_memory
+from inflight.report.metrics import MetricsLogger
 from inflight.trainer.factory import make_trainer
-from inflight.trainer.protocols import make_weight_sync
+from inflight.trainer.loop.checkpoint import model_folder, restore_trainer
+from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
+from inflight.trainer.loop.trainer_loop import TrainerLoop
+from inflight.trainer.weight_sync import make_weight_sync
 
 
 def _setup(seed: int, threads: int) -> None:

@@ -20,9 +20,9 @@ from inflight.actor.evaluate import evaluate
 from inflight.actor.run import env_rollout, served_names
 from inflight.actor.server_pool import ServerPool
 from inflight.config import RunConfig
-from inflight.pipeline.metrics import MetricsLogger, read_metrics
-from inflight.pipeline.report import write_report
 from inflight.pipeline.scrape import ServerScraper
+from inflight.report.metrics import MetricsLogger, read_metrics
+from inflight.report.page import write_report
 from inflight.tasks import get_task
 
 

@@ -29,13 +29,13 @@ from inflight.config.algo import AlgoConfig
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
 from inflight.engine.core import InferenceEngine
-from inflight.engine.sampling import SamplingParams
+from inflight.engine.model.sampling import SamplingParams
 from inflight.engine.serve import ServerProcess
-from inflight.host import free_port
 from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
+from inflight.process import free_port
 from inflight.trainer.factory import make_trainer
 from inflight.trainer.packing import count_loss_tokens, pack_samples
-from inflight.trainer.protocols import make_weight_sync
+from inflight.trainer.weight_sync import make_weight_sync
 
 
 def _median(fn, repeats: int) -> float:

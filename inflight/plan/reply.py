@@ -19,8 +19,9 @@ the server at the arrival, not at the end: a sync round's requests come in one b
 That HTTP work runs on the server's main thread while the engine thread decodes; the two share the interpreter
 lock, and how much decoding the HTTP work costs is measured too (_stall): a fixed decode (a batch of the config's
 lengths, ignore_eos) timed alone and with a burst of held requests parsed meanwhile, the engine thread pinned to a
-core of its own so that only the lock (not a shared core) can slow it: seconds lost / seconds of HTTP work; and
-the engine thread's own CPU meanwhile (handing the lock back and forth: it still wants a core for that share).
+core of its own and its waits for that core (other processes on a busy machine) taken out, so that only the lock
+(not a shared core) can slow it: seconds lost / seconds of HTTP work; and the engine thread's own CPU meanwhile
+(handing the lock back and forth: it still wants a core for that share).
 
 CPU time, not wall time (Linux: /proc/<pid>/task/<tid>/schedstat, nanoseconds): the decoding itself runs on the
 engine thread and is in the decode curve already. The same file counts how many times the actor's loop and the
@@ -49,8 +50,8 @@ from inflight.actor.run import make_rewards, open_actor
 from inflight.config import RunConfig
 from inflight.config.actor import ActorConfig
 from inflight.engine.serve import ServerProcess
-from inflight.host import free_port
 from inflight.pipeline.launch_common import server_command, thread_env
+from inflight.process import free_port
 from inflight.streams.memory import MemoryStream
 
 
@@ -220,9 +221,11 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
             if t != engine:
                 os.sched_setaffinity(t, set(cores[1:]))
         os.sched_setaffinity(0, set(cores[1:]))
-        t0 = time.perf_counter()
-        await decode()
-        alone = time.perf_counter() - t0
+        alone = math.inf
+        for _ in range(3):  # the best of 3: one slow decode on a busy machine would spread the sends past the decode
+            t0 = time.perf_counter()
+            await decode()
+            alone = min(alone, time.perf_counter() - t0)
         burst = max(1, int(0.3 * alone / request_s))  # parsed well within the decode
         rounds = min(8, max(4, math.ceil(1.0 / alone)))  # short decodes: more rounds (each waits 1 s for the 409s)
         walls: dict[bool, list[float]] = {False: [], True: []}
@@ -233,12 +236,14 @@ async def _stall(actor: Any, url: str, api_key: str | None, server_pid: int, req
                 socks = [socket.create_connection((where.hostname, where.port)) for _ in range(burst if loaded else 0)]
                 await asyncio.sleep(0.05)  # the connections accepted before the clock starts
                 h0, t0 = thread_cpu_s(server_pid, server_pid), time.perf_counter()
-                e0 = thread_cpu_s(server_pid, engine)
+                e0, q0 = schedstat_s(server_pid, engine)
                 sender = asyncio.create_task(send(socks, 0.6 * alone / max(1, len(socks))))
                 await decode()
-                walls[loaded].append(time.perf_counter() - t0)
+                e1, q1 = schedstat_s(server_pid, engine)
+                # less the engine thread's wait for its core: other processes on it (a busy machine), not the lock
+                walls[loaded].append(time.perf_counter() - t0 - (q1 - q0))
                 http[loaded].append(thread_cpu_s(server_pid, server_pid) - h0)
-                engine_cpu[loaded].append(thread_cpu_s(server_pid, engine) - e0)
+                engine_cpu[loaded].append(e1 - e0)
                 await sender
                 if socks:
                     await asyncio.sleep(1.2)  # the held requests end in 409 at the server's version wait (1 s)

@@ -4,7 +4,8 @@ samples: a server does not simulate one decode step at a time but runs until the
 event (a new request with room in the batch, a weight update) cuts that run at the next step boundary.
 
 What it models, as the code does:
-- the actor starts group k only while k < (published + max_lag + 1 + queue_ahead if gated) x groups_per_step, at most
+- the actor starts group k only while k < (published + max_lag + 1 + queue_ahead if gated) x groups_per_step (the
+  bound of inflight/config/limits.py, sync mode's num_grad_steps - 1 as max_lag), at most
   `concurrency_per_server` requests per server, each to the server with the fewest outstanding; a gated request
   carries min_weight_version = k // groups_per_step - max_lag and the server holds it until it has that version;
 - a server: continuous batching up to max_batch (FIFO), one decode step of b sequences of mean context c takes
@@ -138,6 +139,7 @@ class Simulator:
         self.servers = [_Server(k) for k in range(cfg.servers)]
         self.started = 0
         self.published = 0
+        self.bound = cfg.staleness  # config/limits.py: what the actor and the trainer apply
         self.total_groups = cfg.steps * cfg.groups_per_step
         self.ready: dict[int, _Group] = {}
         self.next_group = 0  # next group (start order) the trainer back-propagates
@@ -192,9 +194,7 @@ class Simulator:
 
     # -- actor ----------------------------------------------------------------------------------------------------
     def _allowed(self) -> int:
-        c = self.cfg
-        ahead = c.queue_ahead if c.gated else 0
-        return min(self.total_groups, (self.published + c.max_lag + 1 + ahead) * c.groups_per_step)
+        return min(self.total_groups, self.bound.groups_allowed(self.published))
 
     def _actor(self) -> None:
         c = self.cfg
@@ -204,7 +204,7 @@ class Simulator:
                 return
             srv = min(free, key=lambda s: s.outstanding)
             k = self.started
-            min_v = max(0, k // c.groups_per_step - c.max_lag) if c.gated else 0
+            min_v = self.bound.request_min_version(k)
             g = _Group(k, min_v, [c.lengths.sample(self.rng) for _ in range(c.group_size)], srv.k)
             self.started += 1
             srv.outstanding += 1

@@ -28,7 +28,7 @@ import torch
 
 from inflight.config import RunConfig
 from inflight.engine.core import InferenceEngine
-from inflight.engine.sampling import SamplingParams
+from inflight.engine.model.sampling import SamplingParams
 from inflight.plan.profile import EngineProfile
 from inflight.tasks import get_task
 

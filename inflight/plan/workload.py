@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inflight.config import RunConfig
+from inflight.config.limits import Staleness, effective_max_lag
 
 
 @dataclass
@@ -60,7 +61,7 @@ class SimConfig:
     max_batch: int = 128
     group_size: int = 8
     groups_per_step: int = 16
-    max_lag: int = 1
+    max_lag: int = 1  # as the user sets it: sync mode applies num_grad_steps - 1 (`staleness`)
     gated: bool = True  # servers hold a request until they have min_weight_version (the built-in engine)
     queue_ahead: int = 1  # gated: steps of groups sent beyond the bound
     concurrency_per_server: int = 64  # outstanding requests (groups) per server
@@ -83,10 +84,15 @@ class SimConfig:
             raise ValueError("servers, batch, group and step sizes must be >= 1; max_lag, queue_ahead >= 0")
         if not 0.0 <= self.trained_frac <= 1.0:
             raise ValueError("trained_frac must be in [0, 1]")
-        if self.mode == "sync":  # as the launcher does: the bound at num_grad_steps - 1, published once per round
-            self.max_lag = self.num_grad_steps - 1
+        if self.mode == "sync":  # whole rounds (the bound is num_grad_steps - 1: `staleness`)
             if self.steps % self.num_grad_steps:
                 self.steps += self.num_grad_steps - self.steps % self.num_grad_steps
+
+    @property
+    def staleness(self) -> Staleness:
+        """The bound a run with these settings applies: the same as the actor's, trainer's and launcher's."""
+        return Staleness(max_lag=effective_max_lag(self.max_lag, self.mode, self.num_grad_steps),
+                         groups_per_step=self.groups_per_step, gated=self.gated, queue_ahead=self.queue_ahead)
 
 
 def from_run_config(cfg: RunConfig, lengths: Lengths, **over: Any) -> SimConfig:

@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Any, Callable, Literal
 
-from inflight.host import die_with_parent
+from inflight.process import die_with_parent
 
 log = logging.getLogger("inflight.rewards")
 

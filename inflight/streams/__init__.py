@@ -1,11 +1,11 @@
 """The actor -> trainer stream: `MemoryStream` (one host, between processes) and `RedisStream` (across hosts).
 
-    stream = make_stream(cfg.pipeline, name=cfg.name, capacity=2 * (cfg.actor.max_lag + 2) * cfg.actor.groups_per_step)
+    stream = make_stream(cfg.pipeline, name=cfg.name, capacity=staleness(cfg).stream_capacity)  # config/limits.py
 
 Create it in the launcher and pass the object to the actor and trainer processes (multiprocessing "spawn"
 args); both kinds pickle for that. For Redis, call `stream.reset()` first when the run starts fresh.
-The actor calls the blocking `put` through `asyncio.to_thread`; the trainer reads whole optimizer steps with
-`StepReader(stream, groups_per_step).next_step()` and acks `reader.position` after each optimizer step.
+The actor calls the blocking `put` through `asyncio.to_thread`; the trainer reads groups with `get` and acks
+what its optimizer steps used (trainer/loop/trainer_loop.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from typing import Any, Protocol
 from inflight.streams.memory import MemoryStream, StreamClosed
 from inflight.streams.redis_stream import RedisStream
 from inflight.streams.serialize import SerializationError, decode_group, encode_group
-from inflight.streams.steps import StepReader
 
 __all__ = [
     "MemoryStream", "RedisStream", "StreamClosed", "SerializationError", "encode_group", "decode_group",
-    "StepReader", "StreamSettings", "make_stream",
+    "StreamSettings", "make_stream",
 ]
 
 

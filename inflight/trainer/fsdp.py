@@ -32,9 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from inflight.contracts import tied_aliases
+from inflight.transport.layout import tied_aliases
 from inflight.config.trainer import TrainerConfig
-from inflight.trainer.fused import fuse_modules
+from inflight.trainer.kernels.fused import fuse_modules
 from inflight.trainer.lora import check_adapter_fits, is_lora, read_adapter, save_adapter
 from inflight.trainer.optim import build_optimizer
 from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model

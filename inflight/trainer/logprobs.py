@@ -19,11 +19,11 @@ from torch.utils.checkpoint import checkpoint
 
 from inflight.contracts import TrainBatch
 from inflight.trainer import head
-from inflight.trainer.attention import NAME as PACKED
-from inflight.trainer.attention import packed_call
+from inflight.trainer.kernels.attention import NAME as PACKED
+from inflight.trainer.kernels.attention import packed_call
 from inflight.trainer.head import CHUNK_ELEMS
 from inflight.trainer.prefix import shared_layout
-from inflight.trainer.varlen import NAME as VARLEN
+from inflight.trainer.kernels.varlen import NAME as VARLEN
 
 OURS = (PACKED, VARLEN)  # attentions that take the sample boundaries and the shared-prompt layout
 

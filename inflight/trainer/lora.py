@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inflight.config.trainer import LoraConfig
-from inflight.contracts import tied_aliases
-from inflight.trainer.gather import gathered
+from inflight.transport.layout import tied_aliases
+from inflight.trainer.weight_sync.gather import gathered
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer

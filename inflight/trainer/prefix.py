@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from inflight.contracts import TrainBatch
-from inflight.trainer.row_attention import Rows, row_attention, usable
+from inflight.trainer.kernels.row_attention import Rows, row_attention, usable
 
 _PAD_SLACK = 1.25  # a bucket's padded area may exceed its real area by this factor
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import LossFn, TrainBatch
-from inflight.trainer.attention import NAME as PACKED
-from inflight.trainer.fused import fuse_modules
-from inflight.trainer.gather import gathered
+from inflight.trainer.kernels.attention import NAME as PACKED
+from inflight.trainer.kernels.fused import fuse_modules
+from inflight.trainer.weight_sync.gather import gathered
 from inflight.trainer.head import install as install_head
 from inflight.trainer.logprobs import packed_token_logprobs
 from inflight.trainer.lora import (adapter_spec, adapter_tensors, add_adapter, check_adapter_fits, check_lora,
@@ -28,8 +28,8 @@ from inflight.trainer.lora import (adapter_spec, adapter_tensors, add_adapter, c
 from inflight.trainer.memory import decide as decide_checkpointing
 from inflight.trainer.memory import parse_choice
 from inflight.trainer.optim import build_optimizer
-from inflight.trainer.varlen import NAME as VARLEN
-from inflight.trainer.varlen import available as varlen_available
+from inflight.trainer.kernels.varlen import NAME as VARLEN
+from inflight.trainer.kernels.varlen import available as varlen_available
 
 
 def attn_implementation(cfg: TrainerConfig) -> str:

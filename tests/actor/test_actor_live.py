@@ -123,7 +123,7 @@ def test_known_completion_through_the_actor_is_labelled_correct(server, rewards,
     scoring must label it correct (reward 1) and the sampled ones not."""
     from transformers import AutoTokenizer
 
-    from inflight.actor.adapters import Completion
+    from inflight.actor.response_parsers import Completion
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     task, cfg, stream = get_task(TASK_CFG), actor_cfg(), new_stream()
@@ -343,7 +343,7 @@ def test_groups_failing_in_a_row_stop_the_actor(rewards):
             await pool.aclose()
 
     actor = asyncio.run(main())
-    bound = actor.cfg.groups_allowed(0)  # at most one bound's worth more started
+    bound = actor.bound(0)  # at most one bound's worth more started
     assert 7 <= actor.metrics.groups_failed == len(calls) <= 7 + bound
 
 

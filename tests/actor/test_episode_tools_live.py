@@ -16,7 +16,7 @@ from inflight.actor.episode import EpisodeConfig, run_episode
 from inflight.actor.rollout import RolloutClient
 from inflight.actor.turns import TurnRenderer
 from inflight.contracts import StepResult, TaskSample
-from inflight.engine.chat_template import use_chat_template
+from inflight.engine.api.chat_template import use_chat_template
 from inflight.tasks.tool_calls import tools_system_text
 
 pytestmark = pytest.mark.slow  # starts inference servers

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from inflight.actor.eval_subset import binomial_stderr, rotating_subset, whole_split_scores
+from inflight.actor.eval_subset import binomial_stderr, rotating_subset, whole_split_scores, whole_split_series
 
 
 @pytest.mark.parametrize("n,size", [(200, 50), (100, 25), (10, 3), (7, 7), (5, 1)])
@@ -85,3 +85,13 @@ def test_whole_split_scores_weigh_by_problems_and_restart_after_a_full_evaluatio
         (0.3 * 60 + 0.1 * 60) / 120,  # the last two, not across the full one
     ])
     assert whole_split_scores([(0.4, 10, 100)]) == []  # a split never covered gives no estimate
+
+
+def test_whole_split_series_is_aligned_with_the_evaluations():
+    """One entry per evaluation: None until a rotation completes; whole_split_scores is the series without them."""
+    evals = [(0.5, 40, 100), (0.6, 40, 100), (0.9, 20, 100), (0.8, 100, 100), (0.1, 60, 100), (0.3, 60, 100)]
+    series = whole_split_series(evals)
+    assert series[0] is None and series[1] is None and series[4] is None
+    assert series[2] == pytest.approx((0.5 * 40 + 0.6 * 40 + 0.9 * 20) / 100)
+    assert series[3] == 0.8 and series[5] == pytest.approx(0.2)
+    assert [s for s in series if s is not None] == whole_split_scores(evals)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from inflight.actor import BadRequest, RequestFailed, ResponseError, ServerPool
-from inflight.actor.adapters import parse_builtin, parse_vllm
+from inflight.actor.response_parsers import parse_builtin, parse_vllm
 from tests.actor.helpers import ScriptedServer, free_port
 
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True}

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from inflight.pipeline.metrics import MetricsLogger
-from inflight.pipeline.report import write_report
+from inflight.report.metrics import MetricsLogger
+from inflight.report.page import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "seeds.py"

@@ -1,4 +1,4 @@
-"""The C kernels of the CPU forward (inflight/engine/cpu_kernels.c), each against a float64 reference written out
+"""The C kernels of the CPU forward (inflight/engine/model/cpu_kernels.c), each against a float64 reference written out
 plainly here; the runner with them against the runner without them; the build's cache and its fallbacks."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inflight.engine import cpu_kernels
+from inflight.engine.model import cpu_kernels
+from inflight.engine.model.llama_runner import LlamaRunner
+from inflight.engine.scheduler.step import StepPlan
 from inflight.native import build as native
-from inflight.engine.llama_runner import LlamaRunner
-from inflight.engine.step import StepPlan
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
@@ -206,7 +206,7 @@ def test_not_used_off_cpu_float32():
 def test_sample_rows_match_float64_inverse_cdf_and_torch_sampler(K):
     """Tokens by the inverse CDF at u of softmax(logits / T) (greedy at T = 0), logprobs under that distribution:
     against float64, and the same tokens as sampling.sample's torch path for the same u."""
-    from inflight.engine.sampling import sample
+    from inflight.engine.model.sampling import sample
 
     g = torch.Generator().manual_seed(3)
     B, V = 64, 1000

@@ -1,4 +1,4 @@
-"""The on-device sampler (engine/device_sampling.py) against a plain float64 reference of the contract: the
+"""The on-device sampler (engine/model/device_sampling.py) against a plain float64 reference of the contract: the
 distribution after temperature, top-k and top-p, each token's logprob under it (temperature-1 for greedy rows),
 seeded sampled frequencies, the stop check, and the engine with it against the engine's CPU sampler."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from inflight.engine.core import InferenceEngine
-from inflight.engine.device_sampling import CONTINUE, LENGTH, STOP, finish_codes, sample_rows
-from inflight.engine.sampling import SamplingParams, sample
+from inflight.engine.model.device_sampling import CONTINUE, LENGTH, STOP, finish_codes, sample_rows
+from inflight.engine.model.sampling import SamplingParams, sample
 from tests.engine.test_core import ids
 
 torch.set_num_threads(1)

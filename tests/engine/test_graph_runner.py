@@ -1,4 +1,4 @@
-"""The CUDA-graph decode runner (engine/graph_runner.py), checked on CPU by eager replay: the same buckets, static
+"""The CUDA-graph decode runner (engine/model/graph_runner.py), checked on CPU by eager replay: the same buckets, static
 buffers, padding rows and scratch slot, with the captured function called eagerly. Outputs against the plain engine,
 buffer reuse by address, weight updates in place (addresses kept, outputs equal to a fresh engine loaded with the
 pushed weights), and the loud fallback when capture fails."""
@@ -13,15 +13,17 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inflight.contracts import ParamInfo, WeightUpdateRequest, shm_layout
 from inflight.engine.core import InferenceEngine
-from inflight.engine.graph_runner import DecodeGraphs, buckets, graphs_enabled
-from inflight.engine.llama_runner import LlamaRunner
-from inflight.engine.sampling import SamplingParams
-from inflight.engine.step import StepPlan
-from inflight.engine.weight_receiver import WeightReceiver
-from inflight.shm_weights import ShmWriter, announcement_digest
+from inflight.engine.model.graph_runner import DecodeGraphs, buckets, graphs_enabled
+from inflight.engine.model.llama_runner import LlamaRunner
+from inflight.engine.model.sampling import SamplingParams
+from inflight.engine.scheduler.step import StepPlan
+from inflight.engine.weights.receiver import WeightReceiver
+from inflight.transport.layout import shm_layout
+from inflight.transport.schemas import ParamInfo, WeightUpdateRequest
+from inflight.transport.shm import ShmWriter, announcement_digest
 from tests.engine.test_core import TOL, ids, ref_logprobs, ref_with
+from tests.engine.test_decode_attention import require_triton
 
 torch.set_num_threads(1)
 
@@ -126,7 +128,7 @@ def test_static_buffers_are_reused_and_padding_writes_only_the_scratch_slot(runn
 
 def test_a_failed_capture_falls_back_to_eager_and_says_why(runner, caplog):
     """Capturing on a CPU model fails for real (no CUDA device): the runner logs an error and decodes eagerly."""
-    with caplog.at_level(logging.ERROR, logger="inflight.engine.graph_runner"):
+    with caplog.at_level(logging.ERROR, logger="inflight.engine.model.graph_runner"):
         graphs = DecodeGraphs(runner, max_batch=8, capture=True)
     assert graphs.status.startswith("eager (CUDA graph capture failed: RuntimeError")
     assert not graphs.graphs
@@ -136,12 +138,10 @@ def test_a_failed_capture_falls_back_to_eager_and_says_why(runner, caplog):
 
 
 def test_a_failed_capture_with_the_triton_attention_retries_with_the_masked_one(runner, caplog):
-    """Where Triton is installed: the split kernel is tried first, then the masked attention, each failure logged."""
-    from inflight.engine import decode_attention
-
-    if decode_attention.triton is None:
-        pytest.skip("triton is not installed")
-    with caplog.at_level(logging.ERROR, logger="inflight.engine.graph_runner"):
+    """With Triton (the test extra installs it on Linux): the split kernel is tried first, then the masked
+    attention, each failure logged."""
+    require_triton()
+    with caplog.at_level(logging.ERROR, logger="inflight.engine.model.graph_runner"):
         graphs = DecodeGraphs(runner, max_batch=8, capture=True, attention="split")
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2 and "trying the masked attention" in errors[0] and "capture failed" in errors[1]

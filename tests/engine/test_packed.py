@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from inflight.engine import precision as prec
 from inflight.engine.core import InferenceEngine
+from inflight.engine.model import precision as prec
 from tests.engine.test_precision import BOUND, _errors, _generate, _new_weights, sharp_model_dir  # noqa: F401
 
 torch.set_num_threads(1)

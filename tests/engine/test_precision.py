@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inflight.engine.core import InferenceEngine
-from inflight.engine.precision import PRECISIONS
-from inflight.engine.sampling import SamplingParams
+from inflight.engine.model.precision import PRECISIONS
+from inflight.engine.model.sampling import SamplingParams
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 30, 40, 50], [11, 12, 13, 14, 15, 16, 17, 18, 19]]

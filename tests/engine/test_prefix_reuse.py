@@ -12,9 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inflight.engine.core import SamplingParams
-from inflight.engine.prefix_cache import Slots
-from tests.engine.test_core import (TOL, choice, collect, fresh_engine, gpt2_dir, ids, perturbed,  # noqa: F401
-                                    ref_logprobs, ref_with)
+from inflight.engine.scheduler.prefix_cache import Slots
+from tests.engine.test_core import TOL, choice, collect, fresh_engine, gpt2_dir, ids, perturbed, ref_logprobs, ref_with  # noqa: F401
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)

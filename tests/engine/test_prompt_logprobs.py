@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inflight.engine import prompt_scores
 from inflight.engine.core import SamplingParams
+from inflight.engine.model import prompt_scores
 from tests.engine.test_core import TOL, collect, fresh_engine, gpt2_dir, ids, perturbed, ref_with  # noqa: F401
 
 torch.set_num_threads(1)

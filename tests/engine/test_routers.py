@@ -10,10 +10,11 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from inflight.config.engine import EngineSettings
+from inflight.engine.api.server import create_app
 from inflight.engine.core import InferenceEngine
-from inflight.engine.server import create_app
 from inflight.engine.vllm_backend.launcher import build_app
-from inflight.engine.weight_receiver import WeightReceiver
+from inflight.engine.weights.receiver import WeightReceiver
 
 torch.set_num_threads(1)
 KEY = {"Authorization": "Bearer k"}
@@ -38,8 +39,8 @@ def _paths(routes) -> Counter:
 
 
 def test_builtin_and_vllm_apps_serve_the_same_routes_once(engine):
-    builtin = create_app(engine, api_key="k", manage_engine=False)
-    vllm = build_app(engine, WeightReceiver(engine), api_key="k", allow_remote_admin=False)
+    builtin = create_app(engine, EngineSettings(api_key="k"), manage_engine=False)
+    vllm = build_app(engine, WeightReceiver(engine), EngineSettings(api_key="k"))
     for app in (builtin, vllm):
         paths = _paths(app.router.routes)
         assert set(paths) == ROUTES and max(paths.values()) == 1, paths
@@ -47,7 +48,7 @@ def test_builtin_and_vllm_apps_serve_the_same_routes_once(engine):
 
 def test_reused_routers_keep_the_access_rules(engine):
     receiver = WeightReceiver(engine)
-    app = build_app(engine, receiver, api_key="k", allow_remote_admin=False)
+    app = build_app(engine, receiver, EngineSettings(api_key="k"))
     spec = [{"name": n, "shape": list(s), "dtype": "float32"} for n, (s, _) in engine.param_specs().items()]
     update = {"version": 1, "params": spec[:1]}
     with TestClient(app) as local:

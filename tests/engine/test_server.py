@@ -145,7 +145,7 @@ def test_min_weight_version_waits_for_the_push_or_gets_409(tiny_model_dir):
 
     from transformers import AutoModelForCausalLM
 
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with ServerProcess(str(tiny_model_dir), extra_args=["--version-wait-s", "2"], env=ENV) as proc:

@@ -37,8 +37,9 @@ def post(url: str, path: str, **body) -> httpx.Response:
     return httpx.post(url + path, json={"model": model_of(url), **body}, timeout=120)
 
 
-def check_echo_choice(ref, prompt_ids: list[int], ch: dict, k: int) -> None:
-    """Legacy layout: one entry per prompt token (the first None), then one per generated token."""
+def check_echo_choice(ref, tok, prompt_ids: list[int], ch: dict, k: int) -> None:
+    """Legacy layout: one entry per prompt token (the first None), then one per generated token; each position's
+    top logprobs are the reference's k best, keyed by their decoded text, in rank order."""
     ids = prompt_ids + ch["token_ids"]
     ref_lp = log_softmax64(ref, ids)
     lp = ch["logprobs"]
@@ -47,8 +48,13 @@ def check_echo_choice(ref, prompt_ids: list[int], ch: dict, k: int) -> None:
     want = [ref_lp[t - 1, ids[t]].item() for t in range(1, len(ids))]
     assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < TOL
     for t in range(1, len(ids)):
-        top = lp["top_logprobs"][t]
-        assert len(top) <= k and max(abs(v - ref_lp[t - 1].max().item()) for v in [max(top.values())]) < TOL
+        top, row = lp["top_logprobs"][t], ref_lp[t - 1]
+        best = row.topk(k).values.tolist()
+        assert len(top) == k and all(abs(a - b) < TOL for a, b in zip(top.values(), best, strict=True)), (t, top, best)
+        # each entry is a token with that logprob in the reference (ids within TOL of each other may swap)
+        near = (row >= best[-1] - TOL).nonzero().view(-1).tolist()
+        for s, v in top.items():
+            assert any(tok.decode([i]) == s and abs(row[i].item() - v) < TOL for i in near), (t, s, v, top)
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
     assert ch["prompt_token_ids"] == prompt_ids
 
@@ -63,13 +69,14 @@ def test_echo_with_logprobs_equals_float64_forward(server, ref64, tiny_model_dir
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     assert ch["text"].startswith(prompt) and len(ch["token_ids"]) == 4
     assert ch["text"] == prompt + tok.decode(ch["token_ids"], skip_special_tokens=True)
-    check_echo_choice(ref64, prompt_ids, ch, 2)
+    check_echo_choice(ref64, tok, prompt_ids, ch, 2)
     assert "".join(ch["logprobs"]["tokens"][: len(prompt_ids)]) == prompt
     assert ch["prompt_token_versions"] == [None] + [0] * (len(prompt_ids) - 1)
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
-def test_max_tokens_zero_scores_the_prompt_alone(server, ref64):
+def test_max_tokens_zero_scores_the_prompt_alone(server, ref64, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = [10, 20, 30, 40, 50, 11, 12, 13]
     r = post(server.url, "/v1/completions", prompt=prompt, echo=True, logprobs=1, max_tokens=0, prompt_logprobs=3,
              n=2)
@@ -79,7 +86,7 @@ def test_max_tokens_zero_scores_the_prompt_alone(server, ref64):
     ref_lp = log_softmax64(ref64, prompt)
     for ch in body["choices"]:
         assert ch["token_ids"] == [] and ch["finish_reason"] == "length"
-        check_echo_choice(ref64, prompt, ch, 1)
+        check_echo_choice(ref64, tok, prompt, ch, 1)
         pl = ch["prompt_logprobs"]  # vLLM's layout: None, then {token id: {logprob, rank, decoded_token}}
         assert len(pl) == len(prompt) and pl[0] is None
         for pos in range(1, len(prompt)):

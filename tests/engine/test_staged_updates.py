@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inflight.contracts import ParamInfo, WeightUpdateRequest, shm_layout
 from inflight.engine.core import InferenceEngine
-from inflight.engine.weight_receiver import WeightReceiver, WeightUpdateError
-from inflight.finite import copy_summed, finite_sums
-from inflight.shm_weights import WRITING, SegmentWatch, ShmWriter, announcement_digest
+from inflight.engine.weights.receiver import WeightReceiver, WeightUpdateError
+from inflight.transport.finite import copy_summed, finite_sums
+from inflight.transport.layout import shm_layout
+from inflight.transport.schemas import ParamInfo, WeightUpdateRequest
+from inflight.transport.shm import WRITING, SegmentWatch, ShmWriter, announcement_digest
 from tests.engine.test_precision import BOUND, _errors, _generate, _new_weights, sharp_model_dir  # noqa: F401
 from tests.test_lora_push import Q0, make_adapter
 
@@ -242,6 +243,42 @@ def test_a_full_update_after_an_adapter_reverts_what_it_leaves_out(engine, tmp_p
     full = {n: t for n, t in perturbed(eng, seed=9).items() if n != Q0}
     shm_push(receiver, writer, full, version=3)
     assert model_equals(eng, {**full, Q0: w0[Q0]})
+
+
+def in_segment(eng: InferenceEngine, receiver: WeightReceiver, path: str) -> dict:
+    """{block: whether the engine computes it from the server's mapping of the segment at `path`}."""
+    (whole,) = [t for key, t in receiver._shm._maps.items() if key[0] == path]
+    lo, hi = whole.data_ptr(), whole.data_ptr() + whole.numel()
+    out = {}
+    for where in eng.runner.members:
+        t = eng.runner._storage(where)
+        out[where] = lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+    return out
+
+
+def test_a_segment_is_copied_and_a_rewrite_after_the_answer_changes_nothing(engine):
+    eng, receiver, writer = engine
+    w1 = perturbed(eng, seed=1)
+    shm_push(receiver, writer, w1, version=1)
+    first = writer.path
+    assert eng.version == 1 and model_equals(eng, w1)
+    assert not any(in_segment(eng, receiver, first).values())  # every block in storage of the engine's own
+    assert receiver.last_update["staged"] == len(eng.runner.members)
+    writer._cur.data.view(torch.float32).fill_(float("nan"))  # the trainer writes its segment again: nothing follows
+    assert model_equals(eng, w1)
+    assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight  # the tied head follows the embedding
+
+    # the same segment again, announced with a `lend` promise (which a server cannot check): copied all the same
+    w2 = perturbed(eng, seed=2)
+    params = [ParamInfo(name=n, shape=list(t.shape), dtype="float32") for n, t in w2.items()]
+    offsets, data_bytes = shm_layout(params)
+    seg = writer.write(list(w2.items()), ["float32"] * len(params), offsets, data_bytes, 2,
+                       announcement_digest(params))
+    asyncio.run(receiver.update(WeightUpdateRequest(version=2, params=params, shm={**seg, "lend": True})))
+    assert writer.path == first and model_equals(eng, w2)
+    assert not any(in_segment(eng, receiver, first).values())
+    writer._cur.data.view(torch.float32).fill_(float("nan"))
+    assert model_equals(eng, w2)
 
 
 def test_staged_updates_generate_with_the_new_weights(sharp_model_dir, tmp_path):

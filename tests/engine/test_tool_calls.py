@@ -10,12 +10,16 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from inflight.engine import openai_api as oa
-from inflight.engine.chat_template import (ChatTemplateError, TemplateAbilities, read_chat_template,
-                                           use_chat_template)
-from inflight.engine.http_errors import BadRequest
-from inflight.engine.routes_openai import ToolUse
-from inflight.engine.tool_parser import OPEN, HermesStream, parse_hermes
+from inflight.engine.api import openai_api as oa
+from inflight.engine.api.chat_template import (
+    ChatTemplateError,
+    TemplateAbilities,
+    read_chat_template,
+    use_chat_template,
+)
+from inflight.engine.api.http_errors import BadRequest
+from inflight.engine.api.routes_openai import ToolUse
+from inflight.engine.api.tool_parser import OPEN, HermesStream, parse_hermes
 from tests.servers import model_of, serve_model
 
 NAMES = {"get_weather", "add"}
@@ -214,8 +218,8 @@ def test_a_malformed_call_in_the_reply_is_plain_text(tools_template, tiny_tok):
 
 
 def test_config_keys_reach_inflight_serve():
-    from inflight.engine.builtin_backend import options
     from inflight.config.engine import ServerConfig
+    from inflight.engine.builtin_backend import options
     from inflight.engine.serve import add_arguments
 
     argv = options(ServerConfig(chat_template="chatml_tools", tool_call_parser="hermes"), cuda=False)

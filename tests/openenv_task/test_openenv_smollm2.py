@@ -11,7 +11,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from inflight.host import free_port
+from inflight.process import free_port
 from inflight.tasks import TaskConfig, get_task
 from tests.openenv_task.conftest import AGENT, REPO, SKIP_REASON, guess_server
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 PROMISED = ["config.yaml", "metrics.jsonl", "report.html", "summary.json", "checkpoints/final/config.json",
             "logs/trainer.log", "logs/actor.log", "logs/server0.log", "logs/server1.log"]
-PLOTS = ["accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer"]
+PLOTS = ["accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer", "lr"]
 
 
 def overrides(model_dir: Path, run_dir: Path, name: str, *extra: str) -> list[str]:
@@ -70,8 +70,8 @@ def check_lengths(run: Path, steps: list[dict]) -> None:
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from inflight.pipeline.completions import TruncationAlarm
-    from inflight.pipeline.replies import visible
+    from inflight.report.replies import visible
+    from inflight.trainer.loop.completions import TruncationAlarm
 
     for r in steps:
         assert 1 <= r["completion_len_min"] <= r["completion_len_mean"] <= r["completion_len_max"] <= 160

@@ -1,7 +1,7 @@
 """Start-order delivery of groups to the trainer (the staleness bound depends on it)."""
 
 from inflight.contracts import Sample
-from inflight.pipeline.ordering import StartOrder
+from inflight.trainer.loop.ordering import StartOrder
 
 
 def g(k: int | None):

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from inflight.pipeline.config_docs import DOC_PATH, render
-from inflight.pipeline.metrics import MetricsLogger, MetricsTail, read_metrics
-from inflight.pipeline.report import Run, summary, write_report
 from inflight.pipeline.scrape import parse_prometheus
+from inflight.report.metrics import MetricsLogger, MetricsTail, read_metrics
+from inflight.report.page import Run, summary, write_report
 
 
 def _fake_run(run_dir, steps: int, acc0: float, gain: float) -> None:
@@ -106,7 +106,7 @@ def test_demo_result_line_tells_how_completions_end():
 def test_report_shows_lengths_and_escaped_replies(tmp_path):
     """Completion lengths per step, the late truncated share in the summary, and the held-out replies of a few
     evaluations: model output is escaped, never markup."""
-    from inflight.pipeline.replies import pick
+    from inflight.report.replies import pick
 
     run = tmp_path / "run"
     trainer, actor = MetricsLogger(run, "trainer"), MetricsLogger(run, "actor")
@@ -140,7 +140,7 @@ def test_accuracy_plot_draws_each_evaluation_with_its_stderr_band(tmp_path):
     without `stderr` (older runs) gets the binomial one from num_problems."""
     import math
 
-    from inflight.pipeline.report import figure
+    from inflight.report.page import figure
 
     actor, trainer = MetricsLogger(tmp_path, "actor"), MetricsLogger(tmp_path, "trainer")
     MetricsLogger(tmp_path, "launcher").log("run_start")
@@ -174,3 +174,100 @@ def test_best_accuracy_rests_on_the_whole_split_not_the_luckiest_subset(tmp_path
     s = summary(Run(tmp_path))
     assert s["best_accuracy"] == pytest.approx(100 * (0.90 + 0.70) / 2)  # not the single subset's 90%
     assert s["last_accuracy"] == pytest.approx(72.0)
+
+
+def test_smoothing_is_a_debiased_ema_like_tensorboards():
+    """ema() against a float64 reference written out here: the closed form of the debiased EMA, each point the
+    weighted mean of the values so far with weights (1 - w) w^(k - j), normalised by their sum 1 - w^(k + 1)."""
+    import numpy as np
+
+    from inflight.report.page import ema, smoothing_weight
+
+    rng = np.random.default_rng(0)
+    y = np.cumsum(rng.normal(size=300)) + 5.0 * rng.standard_cauchy(size=300).clip(-20, 20)
+    for w in (0.0, 0.6, 0.9, 0.98):
+        ref = np.empty_like(y)
+        for k in range(len(y)):
+            weights = (1.0 - w) * w ** np.arange(k, -1, -1, dtype=np.float64)
+            ref[k] = np.dot(weights, y[: k + 1]) / (1.0 - w ** (k + 1))
+        assert np.allclose(ema(y.tolist(), w), ref, rtol=1e-12, atol=1e-9)
+    assert ema([3.0] * 50, 0.9) == pytest.approx([3.0] * 50, rel=1e-12)  # debiased: no ramp up from 0
+    assert ema([1.0, float("nan"), 3.0], 0.5)[1] != ema([1.0, float("nan"), 3.0], 0.5)[1]  # NaN passes through
+    assert ema([1.0, float("nan"), 3.0], 0.5)[2] == pytest.approx((0.25 * 1 + 0.5 * 3) / 0.75)
+    with pytest.raises(ValueError, match="smoothing weight"):
+        ema([1.0], 1.0)
+    assert smoothing_weight(5) == 0.6 and smoothing_weight(100) == pytest.approx(0.9) and smoothing_weight(10**5) == 0.98
+
+
+def test_per_step_plots_draw_the_raw_points_faint_and_their_ema_on_top(tmp_path):
+    """The trainer plot: raw tokens/s faint, the EMA of them in full; a few outliers (the first step's start-up
+    wait) stay off the scale, and the legend says how many."""
+    from inflight.report.page import RAW_ALPHA, ema, figure, smoothing_weight
+
+    trainer = MetricsLogger(tmp_path, "trainer")
+    MetricsLogger(tmp_path, "launcher").log("run_start")
+    tps = [1000.0 + 100 * ((7 * k) % 5) for k in range(60)]
+    waits = [30.0] + [0.1 + 0.01 * (k % 3) for k in range(59)]  # the first step waits for the servers to start
+    for k in range(60):
+        trainer.log("train_step", step=k + 1, samples_total=8 * (k + 1), tokens_per_s=tps[k], wait_s=waits[k])
+    trainer.close()
+    fig = figure("trainer", [Run(tmp_path)])
+    raw, smooth = fig.axes[0].lines[:2]
+    assert raw.get_alpha() == RAW_ALPHA and list(raw.get_ydata()) == tps
+    assert list(smooth.get_ydata()) == pytest.approx(ema(tps, smoothing_weight(60)), rel=1e-12)
+    wait_ax = fig.axes[1]
+    assert wait_ax.get_ylim()[1] < 1.0  # not stretched to 30 s by one step
+    assert any("off scale: 1 above (up to 30)" in t.get_text() for t in wait_ax.get_legend().get_texts())
+    assert fig.axes[0].get_ylim()[1] > max(tps)  # nothing to leave off here
+
+
+def test_accuracy_plot_draws_the_whole_split_and_each_window_faint(tmp_path):
+    """Rotating windows of 50 of 200 problems: the main line is the whole-split accuracy (the base, then the mean of
+    each last full rotation of 4 windows, then the final evaluation), the windows' own scores faint behind it."""
+    from inflight.report.page import RAW_ALPHA, figure
+
+    actor, trainer = MetricsLogger(tmp_path, "actor"), MetricsLogger(tmp_path, "trainer")
+    MetricsLogger(tmp_path, "launcher").log("run_start")
+    evals = [(0.30, 200), (0.60, 50), (0.80, 50), (0.70, 50), (0.90, 50), (0.50, 50), (0.72, 200)]
+    for k, (acc, n) in enumerate(evals):
+        trainer.log("train_step", step=k, samples_total=100 * k)
+        actor.log("eval", step=k, accuracy=acc, num_problems=n, split_size=200, samples_total=100 * k,
+                  base=k == 0, final=k == len(evals) - 1)
+    actor.close()
+    trainer.close()
+    want = [30.0, 100 * (0.6 + 0.8 + 0.7 + 0.9) / 4, 100 * (0.8 + 0.7 + 0.9 + 0.5) / 4, 72.0]  # 30, 75, 72.5, 72
+    fig = figure("accuracy", [Run(tmp_path)])
+    main, windows = fig.axes[1].lines  # vs samples trained
+    assert list(main.get_xdata()) == [0, 400, 500, 600] and list(main.get_ydata()) == pytest.approx(want)
+    assert windows.get_alpha() == RAW_ALPHA and list(windows.get_xdata()) == [100, 200, 300, 400, 500]
+    assert list(windows.get_ydata()) == pytest.approx([60, 80, 70, 90, 50])
+    assert "one window (50 of 200 problems)" in windows.get_label()
+    band = fig.axes[1].collections[0].get_paths()[0].vertices  # a rotation's stderr rests on the 200 problems
+    at = band[abs(band[:, 0] - 400) < 1e-9][:, 1]
+    assert max(at) - 75 == pytest.approx(100 * (0.75 * 0.25 / 200) ** 0.5)
+    s = summary(Run(tmp_path))
+    assert s["best_accuracy"] == pytest.approx(75.0) and s["last_accuracy"] == pytest.approx(72.0)
+
+
+def test_lr_plot_appears_when_the_trainer_logs_lr(tmp_path):
+    """A run whose train_step records carry `lr` gets lr.png (the schedule from 0, and the gradient norm); one
+    without gets no empty plot."""
+    from inflight.report.page import figure
+
+    with_lr, without = tmp_path / "with", tmp_path / "without"
+    for run, lr in ((with_lr, True), (without, False)):
+        trainer = MetricsLogger(run, "trainer")
+        for k in range(1, 31):
+            extra = {"lr": 1e-3 * (1 - k / 30), "grad_norm": 1.0 + k % 3} if lr else {}
+            trainer.log("train_step", step=k, samples_total=8 * k, reward_mean=0.5, **extra)
+        trainer.close()
+    html = write_report([with_lr]).read_text()
+    assert (with_lr / "plots" / "lr.png").stat().st_size > 1000 and "plots/lr.png" in html
+    assert "Learning-rate schedule" in html
+    html = write_report([without]).read_text()
+    assert not (without / "plots" / "lr.png").exists() and "lr.png" not in html
+    ax = figure("lr", [Run(with_lr)]).axes[0]
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([1e-3 * (1 - k / 30) for k in range(1, 31)])
+    assert ax.get_ylim()[0] == 0.0
+    # comparing runs: the plot is there when one of them logged lr
+    assert "plots/lr.png" in write_report([without, with_lr], tmp_path / "cmp").read_text()

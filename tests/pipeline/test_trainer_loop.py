@@ -15,11 +15,11 @@ import torch
 from inflight.config import RunConfig
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
-from inflight.pipeline.metrics import MetricsLogger
-from inflight.pipeline.trainer_loop import TrainerLoop
+from inflight.report.metrics import MetricsLogger
 from inflight.streams.memory import MemoryStream
-from inflight.trainer.protocols.common import WeightSyncError
+from inflight.trainer.loop.trainer_loop import TrainerLoop
 from inflight.trainer.single import SingleDeviceTrainer
+from inflight.trainer.weight_sync.common import WeightSyncError
 from tests.reliability.pipeline_helpers import records
 
 torch.set_num_threads(1)
@@ -252,7 +252,7 @@ def test_a_step_of_only_masked_samples_still_steps(tiny_model_dir, tmp_path):
 
 
 def test_truncation_warning_after_a_streak(tiny_model_dir, tmp_path):
-    from inflight.pipeline.completions import TruncationAlarm
+    from inflight.trainer.loop.completions import TruncationAlarm
 
     alarm = TruncationAlarm(threshold=0.5, steps=3)
     fired = [alarm.update(f) is not None for f in [0.9, 0.9, 0.4, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.5]]

@@ -89,9 +89,15 @@ def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny
 
     cfg = load_config(RunConfig, REPO / "configs" / "cpu-demo.yaml",
                       [f"model.path={tiny_model_dir}", "actor.groups_per_step=4", "actor.reward_workers=1"])
+    two_cores = len(os.sched_getaffinity(0)) >= 2
+
+    def lock_ok(lock) -> bool:
+        return not two_cores or (lock is not None and 0.0 <= lock[0] < 3.0 and 0.0 <= lock[1] <= 1.5 * lock[0] + 0.5)
+
     (short, long_), request_s, lock = measure_reply(cfg, lengths=(4, 64), groups=8)
-    if not (long_.server_s > short.server_s and long_.actor_s > short.actor_s):
-        # CPU time of 8 groups is a few ms: one GC pass or helper wake-up can swap them; measure once more
+    if not (long_.server_s > short.server_s and long_.actor_s > short.actor_s and lock_ok(lock)):
+        # CPU time of 8 groups is a few ms: one GC pass or helper wake-up can swap them; and the stall is ms of wall
+        # time that a busy machine (another test beside this one) can swamp or hide: measure once more
         (short, long_), request_s, lock = measure_reply(cfg, lengths=(4, 64), groups=8)
     assert (short.length, long_.length, short.groups, short.group_size) == (4, 64, 8, 8)
     for c in (short, long_):
@@ -104,7 +110,7 @@ def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny
     # the decoding lost per second of HTTP work beside it: measured wherever 2 cores keep the threads apart; between
     # none (the lock released throughout) and a few (each handover costing the engine a switch interval); the
     # engine's own CPU meanwhile (handing the lock back and forth) is a part of what it loses, give or take noise
-    if len(os.sched_getaffinity(0)) >= 2:
+    if two_cores:
         assert lock is not None
         stall, spin = lock
         assert 0.0 <= stall < 3.0 and 0.0 <= spin <= 1.5 * stall + 0.5

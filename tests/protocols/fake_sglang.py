@@ -184,7 +184,7 @@ class FakeProcess:
 
         import httpx
 
-        from inflight.host import free_port
+        from inflight.process import free_port
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"

@@ -3,10 +3,10 @@
 import pytest
 
 from inflight.config import RunConfig, load_config
-from inflight.trainer.protocols import make_weight_sync
-from inflight.trainer.protocols.inflight import WeightSyncClient
-from inflight.trainer.protocols.sglang import SGLangWeightSync
-from inflight.trainer.protocols.vllm import VLLMWeightSync
+from inflight.trainer.weight_sync import make_weight_sync
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.sglang import SGLangWeightSync
+from inflight.trainer.weight_sync.vllm import VLLMWeightSync
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2/"]
 
@@ -39,7 +39,7 @@ def test_bad_settings():
                                                 ("cuda:1", "gloo", "gloo"), ("cuda", "nccl", "nccl")])
 def test_weight_backend(device, choice, want):
     """trainer.weight_backend: a CUDA trainer is not forced onto NCCL (one GPU shared with a server needs gloo)."""
-    from inflight.trainer.protocols import weight_backend
+    from inflight.trainer.weight_sync import weight_backend
 
     assert weight_backend(choice, device) == want
 
@@ -68,7 +68,7 @@ def test_the_communicator_is_built_on_the_trainers_device(monkeypatch):
 
     import torch
 
-    from inflight.trainer.protocols.common import Broadcaster
+    from inflight.trainer.weight_sync.common import Broadcaster
 
     events: list[tuple[str, str]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(("set_device", str(d))))
@@ -89,7 +89,7 @@ def test_lora_with_stock_server_protocols(tmp_path):
     """trainer.lora: SGLang refused; vLLM takes adapters through its runtime LoRA loading (vllm_lora.py), in keep
     mode and with actor.adapter=vllm only, checked at config time, before anything starts."""
     from inflight.pipeline.launch_common import check_lora_run
-    from inflight.trainer.protocols.vllm_lora import VLLMLoraSync
+    from inflight.trainer.weight_sync.vllm_lora import VLLMLoraSync
 
     cfg = load_config(RunConfig, overrides=["trainer.protocol=sglang", "trainer.lora.rank=8"])
     for fn in (check_lora_run, lambda c: make_weight_sync(c, URLS)):

@@ -3,7 +3,7 @@ ChatCompletionResponseChoice carries token_ids / prompt_token_ids / meta_info, l
 
 import pytest
 
-from inflight.actor.adapters import ResponseError, get_adapter
+from inflight.actor.response_parsers import ResponseError, get_adapter
 
 RESPONSE = {
     "id": "5f2c", "object": "chat.completion", "created": 1764400000, "model": "default",

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.sglang import SGLangWeightSync
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.sglang import SGLangWeightSync
 from tests.protocols.fake_sglang import FakeProcess
 
 

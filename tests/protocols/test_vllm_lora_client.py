@@ -1,4 +1,4 @@
-"""The stock-vLLM LoRA client (trainer/protocols/vllm_lora.py) without a server: the folder it writes is an adapter
+"""The stock-vLLM LoRA client (trainer/weight_sync/vllm_lora.py) without a server: the folder it writes is an adapter
 PEFT itself loads, whose forward equals a float64 forward of W0 + s * B @ A; malformed adapters are refused before
 anything is written; the actor asks for the adapter of its version and stamps that version on every token.
 Against a real stock vLLM: tests/vllm/test_stock_lora.py."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from inflight.trainer.protocols.vllm_lora import AdapterRejected, VLLMLoraSync, checkpoint_shapes
+from inflight.trainer.weight_sync.vllm_lora import AdapterRejected, VLLMLoraSync, checkpoint_shapes
 from tests.test_lora_push import make_adapter, merged64
 
 Q0, V1, D0 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
@@ -100,7 +100,7 @@ def test_push_refuses_full_weights_and_interrupt(client):
 def test_the_actor_asks_for_its_versions_adapter_and_stamps_it():
     """RolloutClient with `served`: a group asks for the adapter of the version it started at (the base model at
     version 0) and every token gets that version; a response served under another name is an error."""
-    from inflight.actor.adapters import ResponseError, get_adapter
+    from inflight.actor.response_parsers import ResponseError, get_adapter
     from inflight.actor.rollout import RolloutClient
     from inflight.actor.run import served_names
     from inflight.config import RunConfig, load_config

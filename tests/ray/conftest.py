@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from inflight.pipeline.ray_cluster import set_ray_auth
+from inflight.pipeline.ray.cluster import set_ray_auth
 from tests.reliability.pipeline_helpers import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from inflight.config import RunConfig, load_config
-from inflight.pipeline.ray_launcher import check_ray_config
+from inflight.pipeline.ray.launcher import check_ray_config
 
 
 def cfg(*overrides: str) -> RunConfig:
@@ -46,7 +46,7 @@ def test_unknown_launcher_is_refused():
 def test_local_cluster_fits_its_roles():
     """The single-node cluster a run starts has logical CPUs for every role at once (servers, every trainer rank,
     the actor), never fewer than the machine's cores."""
-    from inflight.pipeline.ray_cluster import local_cluster_cpus, role_cpus
+    from inflight.pipeline.ray.cluster import local_cluster_cpus, role_cpus
 
     c = cfg("server.threads=3", "trainer.threads=2", "trainer.backend=fsdp2", "trainer.num_processes=2")
     assert role_cpus(c) == {"server0": 3, "server1": 3, "trainer": 2, "trainer-rank1": 2, "actor": 1}
@@ -60,7 +60,7 @@ OWN_CLUSTER = """
 import json, sys
 import ray
 from inflight.config import RunConfig, load_config
-from inflight.pipeline.ray_cluster import connect
+from inflight.pipeline.ray.cluster import connect
 cfg = load_config(RunConfig, None, ["pipeline.launcher=ray", "server.threads=2", "trainer.threads=2"])
 connect(cfg)
 try:

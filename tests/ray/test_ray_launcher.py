@@ -12,7 +12,7 @@ import signal
 import httpx
 import pytest
 
-from inflight.pipeline.restart import refused
+from inflight.trainer.weight_sync.rejoin import refused
 from tests.reliability.pipeline_helpers import base_overrides, kill_group, latest_step, launch, records, wait_for
 
 pytest.importorskip("ray")
@@ -116,8 +116,8 @@ def test_unplaceable_role_fails_naming_resources(ray_cluster):
     what it asked for and what the cluster has, instead of waiting forever; a placeable one answers."""
     import ray
 
-    from inflight.pipeline.ray_cluster import placed
-    from inflight.pipeline.ray_roles import RoleActor
+    from inflight.pipeline.ray.cluster import placed
+    from inflight.pipeline.ray.roles import RoleActor
     from inflight.pipeline.supervise import RoleFailed
 
     ray.init(address=ray_cluster.address, logging_level="ERROR", log_to_driver=False)

@@ -80,7 +80,7 @@ def test_three_pipelined_steps_pushed_server_matches_float64_forward_and_tied_he
                                                                                           tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from inflight.host import free_port
+    from inflight.process import free_port
 
     args = [sys.executable, "-m", "inflight.cli", "train", str(REPO / "configs" / "cpu-smollm2.yaml"),
             f"model.path={smollm2_dir}", f"pipeline.run_dir={tmp_path}", "name=smol", f"pipeline.server_urls=[{server.url}]",

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from inflight.engine.chat_template import read_chat_template
+from inflight.engine.api.chat_template import read_chat_template
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # the real model, ~135M parameters on 2 cores

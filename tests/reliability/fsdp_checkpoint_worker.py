@@ -3,9 +3,11 @@
 usage: python fsdp_checkpoint_worker.py MODEL_DIR RUN_DIR OUT_PREFIX
 A: 1 step from MODEL_DIR, checkpoint step_000001 (DistributedTrainerLoop.checkpoint, the pipeline's path).
 B: a trainer built from step_000001 and restored (restore_trainer), as a resumed run is. Each rank writes
-   OUT_PREFIX.rank<r>.json: how much optimizer state it handed to set_optimizer_state_dict, and how its optimizer
-   shards compare with the checkpoint's full state. Then 3 steps, each checkpointed (keep_checkpoints 2: the second
-   prunes step_000001, the folder B was built from); rank 0 saves B's final weights to OUT_PREFIX.pt.
+   OUT_PREFIX.rank<r>.json: how much optimizer state it handed to set_optimizer_state_dict, whether the optimizer
+   tensors it got lie in a mapping of the checkpoint's file and how many of their bytes were brought into memory,
+   and how its optimizer shards compare with the checkpoint's full state. Then 3 steps, each checkpointed
+   (keep_checkpoints 2: the second prunes step_000001, the folder B was built from); rank 0 saves B's final
+   weights to OUT_PREFIX.pt.
 """
 
 import json
@@ -20,12 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from inflight.config import RunConfig  # noqa: E402
 from inflight.config.trainer import TrainerConfig  # noqa: E402
-from inflight.pipeline.checkpoint import TRAIN_STATE, restore_trainer  # noqa: E402
-from inflight.pipeline.fsdp_loop import DistributedTrainerLoop  # noqa: E402
-from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
+from inflight.report.metrics import MetricsLogger  # noqa: E402
 from inflight.trainer import fsdp as fsdp_module  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
+from inflight.trainer.loop.checkpoint import TRAIN_STATE, restore_trainer  # noqa: E402
+from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402
@@ -64,6 +66,38 @@ def shards_vs_checkpoint(t: FSDP2Trainer, full: dict) -> dict:
     return {"compared": compared, "max_diff": diff, "params": len(names)}
 
 
+def file_mappings(path: Path) -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each mapping of `path` in this process (/proc/self/smaps)."""
+    out, target, current = [], str(path.resolve()), None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if not head[0].endswith(":"):  # a mapping's first line: start-end perms offset dev inode [path]
+            current = None
+            if " ".join(head[5:]) == target:
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                current = [start, end, 0]
+                out.append(current)
+        elif head[0] == "Rss:" and current is not None:
+            current[2] = int(head[1]) * 1024
+    return [(a, b, r) for a, b, r in out]
+
+
+def spy_on_mapping(t: FSDP2Trainer, path: Path, seen: dict) -> None:
+    """Wraps t.load_train_state: where the optimizer tensors it is handed live, and how much of the file's mapping
+    is resident once it has run (pages are brought in only when read)."""
+    real = t.load_train_state
+
+    def load(state: dict) -> None:
+        tensors = [x for st in state["optimizer"]["state"].values() for k, x in st.items() if k != "step"]
+        maps = file_mappings(path)
+        seen["mapped"] = all(any(a <= x.data_ptr() < b for a, b, _ in maps) for x in tensors)
+        seen["optimizer_bytes"] = sum(x.nbytes for x in tensors)
+        real(state)
+        seen["resident"] = sum(r for _, _, r in file_mappings(path))
+
+    t.load_train_state = load
+
+
 def main(model_dir: str, run_dir: str, out: str) -> None:
     default_group_refuses_cpu_tensors()
     handed = []  # entries of the optimizer state each call passed in (the real function still runs)
@@ -82,9 +116,11 @@ def main(model_dir: str, run_dir: str, out: str) -> None:
 
     b = FSDP2Trainer(str(path), TrainerConfig(backend="fsdp2", **CFG))
     b.init()
+    mapping: dict = {}
+    spy_on_mapping(b, path / TRAIN_STATE, mapping)
     restore_trainer(b, path)
     full = torch.load(path / TRAIN_STATE, weights_only=True)["optimizer"]["state"]
-    report = {"handed": handed, **shards_vs_checkpoint(b, full)}
+    report = {"handed": handed, **mapping, **shards_vs_checkpoint(b, full)}
     Path(f"{out}.rank{b.rank}.json").write_text(json.dumps(report))
     loop = loop_of(b, run_dir)
     for step in range(1, 4):

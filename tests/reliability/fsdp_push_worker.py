@@ -20,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from inflight.config import RunConfig  # noqa: E402
 from inflight.config.trainer import TrainerConfig  # noqa: E402
 from inflight.engine.serve import ServerProcess  # noqa: E402
-from inflight.pipeline.fsdp_loop import DistributedTrainerLoop  # noqa: E402
-from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
-from inflight.pipeline.restart import refused  # noqa: E402
+from inflight.report.metrics import MetricsLogger  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
-from inflight.trainer.protocols.inflight import WeightSyncClient  # noqa: E402
+from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop  # noqa: E402
+from inflight.trainer.weight_sync.inflight import WeightSyncClient  # noqa: E402
+from inflight.trainer.weight_sync.rejoin import refused  # noqa: E402
 from tests.reliability.test_weight_update_faults import SERVE  # noqa: E402
 from tests.test_lora_push import chat  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402

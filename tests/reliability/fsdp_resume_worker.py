@@ -17,11 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from inflight.config import RunConfig  # noqa: E402
 from inflight.config.trainer import TrainerConfig  # noqa: E402
-from inflight.pipeline.checkpoint import TRAIN_STATE, restore_trainer  # noqa: E402
-from inflight.pipeline.fsdp_loop import DistributedTrainerLoop  # noqa: E402
-from inflight.pipeline.metrics import MetricsLogger  # noqa: E402
+from inflight.report.metrics import MetricsLogger  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
+from inflight.trainer.loop.checkpoint import TRAIN_STATE, restore_trainer  # noqa: E402
+from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402

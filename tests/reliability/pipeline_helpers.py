@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-
 # Test servers listen below the kernel's ephemeral range (Linux: 32768-60999), so that no outgoing connection can
 # take their port between the check and the bind (seen: a Ray node's connections took server1's port, EADDRINUSE),
 # and above Ray's worker ports (10002-19999 by default).

@@ -17,10 +17,10 @@ import torch
 from inflight.config import RunConfig
 from inflight.config.trainer import TrainerConfig
 from inflight.engine.serve import ServerProcess
-from inflight.pipeline.metrics import MetricsLogger
-from inflight.pipeline.trainer_loop import TrainerLoop
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.report.metrics import MetricsLogger
+from inflight.trainer.loop.trainer_loop import TrainerLoop
 from inflight.trainer.single import SingleDeviceTrainer
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 from tests.reliability.test_weight_update_faults import SERVE, greedy, version
 
 pytestmark = pytest.mark.slow  # three server start-ups (~35 s on 2 shared cores)

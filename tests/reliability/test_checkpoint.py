@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inflight.config.trainer import TrainerConfig
-from inflight.pipeline import checkpoint as ckpt
+from inflight.trainer.loop import checkpoint as ckpt
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
 from tests.trainer.helpers import ReinforceLoss, random_samples

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inflight.pipeline import checkpoint as ckpt
+from inflight.trainer.loop import checkpoint as ckpt
 from tests.trainer.cpu_collectives import run_ranks
 
 WORKER = Path(__file__).with_name("fsdp_resume_worker.py")

@@ -12,7 +12,7 @@ import torch
 
 from inflight.cli import main as cli_main
 from inflight.config.trainer import LoraConfig, TrainerConfig
-from inflight.pipeline import checkpoint as ckpt
+from inflight.trainer.loop import checkpoint as ckpt
 from inflight.trainer.single import SingleDeviceTrainer
 
 from .test_checkpoint import state, train_step

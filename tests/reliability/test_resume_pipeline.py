@@ -12,8 +12,16 @@ import signal
 
 import pytest
 
-from tests.reliability.pipeline_helpers import (base_overrides, dies_within, kill_group, latest_step, launch, ports,
-                                                records, wait_for)
+from tests.reliability.pipeline_helpers import (
+    base_overrides,
+    dies_within,
+    kill_group,
+    latest_step,
+    launch,
+    ports,
+    records,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 import torch
 
-from inflight.pipeline.restart import rejoin_weight_group
-from inflight.trainer.protocols.inflight import WeightSyncClient
-from tests.servers import serve_model
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.rejoin import rejoin_weight_group
+from tests.servers import model_of, serve_model
 
 torch.set_num_threads(1)
 
@@ -33,6 +34,14 @@ def broadcast_in_flight(client: WeightSyncClient) -> torch.distributed.Work:
     return work
 
 
+def complete(url: str) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": model_of(url), "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
 def release_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("weight-group-") and t.is_alive()]
 
@@ -50,7 +59,12 @@ def test_rejoin_frees_the_old_group_without_waiting_for_its_broadcast(server, hf
             work.wait()
         assert "Timed out" not in str(failed.value)
         assert "closed" in str(failed.value).lower() or "reset" in str(failed.value).lower(), failed.value
-        assert client.push(hf_weights.items(), version=3)["version"] == 3
+        before = complete(server.url)
+        assert set(before["token_versions"]) == {0}
+        client.push({n: t * 1.5 for n, t in hf_weights.items()}.items(), version=3)
+        after = complete(server.url)  # what the server serves: version 3, other weights
+        assert set(after["token_versions"]) == {3}
+        assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
     finally:
         client.close()
     assert release_threads() == []

@@ -14,10 +14,10 @@ import torch
 from inflight.config import RunConfig
 from inflight.config.trainer import TrainerConfig
 from inflight.engine.serve import ServerProcess
-from inflight.pipeline.metrics import MetricsLogger
-from inflight.pipeline.trainer_loop import TrainerLoop
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.report.metrics import MetricsLogger
+from inflight.trainer.loop.trainer_loop import TrainerLoop
 from inflight.trainer.single import SingleDeviceTrainer
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 from tests.reliability.pipeline_helpers import records
 
 pytestmark = pytest.mark.slow  # two server start-ups per test (~45 s together on 2 shared cores)

@@ -9,8 +9,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from inflight.engine.serve import ServerProcess
 

@@ -116,7 +116,10 @@ def test_health_answers_while_a_maximal_prompt_is_tokenized(server, kind):
     print(f"{kind}: {took:.1f} s to refuse the prompt; /health answered {len(latencies)} times, slowest "
           f"{max(latencies, default=0):.3f} s")
     assert openai_error(answer[0], 400)["code"] == "context_length_exceeded"
-    assert max(latencies) < 0.5, f"/health took {max(latencies):.2f} s while a maximal prompt was tokenized"
+    # a blocked loop answers /health after the rest of the tokenization; a free one within a small part of it. Busy
+    # cores (another test beside this one) slow both: 7-8 s to refuse, /health up to 1 s, beside two busy processes
+    slowest = max(latencies)
+    assert slowest < max(0.5, took / 4), f"/health took {slowest:.2f} s beside a {took:.1f} s tokenization"
     assert len(latencies) >= 3, f"the prompt was refused in {took:.1f} s: not a test of a long tokenization"
     answers_normally(server)
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inflight.engine.serve import ServerProcess
-from inflight.host import free_port
+from inflight.process import free_port
 from tests.servers import rss_mb
 
 KEY = "s0ak-key"
@@ -130,6 +130,7 @@ class Soak:
         prompt = "1+" * (BODY_LIMIT // 2 - 200)
         answer: list[httpx.Response] = []
         t = threading.Thread(target=lambda: answer.append(self.completion(prompt=prompt)))
+        start = time.monotonic()
         t.start()
         time.sleep(0.3)  # the body is read and being tokenized
         slowest = 0.0
@@ -139,8 +140,10 @@ class Soak:
             slowest = max(slowest, time.monotonic() - t0)
             time.sleep(0.1)
         t.join()
+        took = time.monotonic() - start
         self.error_of(answer[0], 400)
-        assert slowest < 0.5, f"/health took {slowest:.2f} s while a maximal prompt was tokenized"
+        # a blocked loop answers after the rest of the tokenization; a busy core slows both alike (test_hostile_http)
+        assert slowest < max(0.5, took / 4), f"/health took {slowest:.2f} s while a {took:.1f} s tokenization ran"
 
     def unauthenticated_big_body(self) -> None:
         r = httpx.post(self.url + "/v1/completions", content=b"x" * (BODY_LIMIT - 10), timeout=30,

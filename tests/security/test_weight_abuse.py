@@ -10,11 +10,11 @@ import httpx
 import pytest
 import torch
 
-from inflight.engine.guards import check_master_address
+from inflight.engine.api.guards import check_master_address
 from inflight.engine.serve import ServerProcess
-from inflight.host import free_port
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.process import free_port
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
 torch.set_num_threads(1)
 KEY = "k3y-for-tests"

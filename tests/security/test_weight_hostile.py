@@ -17,13 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inflight.contracts import ParamInfo, WeightUpdateRequest, shm_layout
-from inflight.cuda_ipc import IPC_HEADER_BYTES
 from inflight.engine.serve import ServerProcess
-from inflight.host import free_port
-from inflight.shm_weights import SHM_HEADER_BYTES
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.process import free_port
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
+from inflight.transport.cuda_ipc import IPC_HEADER_BYTES
+from inflight.transport.layout import shm_layout
+from inflight.transport.schemas import ParamInfo, WeightUpdateRequest
+from inflight.transport.shm import SHM_HEADER_BYTES
 from tests.security.test_weight_abuse import AUTH, ENV, KEY, fingerprint
 
 torch.set_num_threads(1)
@@ -300,17 +301,17 @@ def test_refusals_do_not_tell_which_paths_exist(server, weights, tmp_path):
 
 
 # ---- 12b: a segment rewritten after it was accepted -------------------------------------------------------------------
-def test_a_lent_segment_rewritten_after_the_answer_changes_nothing(server, weights, sync):
-    """The trainer lends its segment and keeps it writable: NaN written into it after the update was answered must
-    not reach what the server computes with."""
-    shm = WeightSyncClient([server.url], api_key=KEY, transport="shm", timeout_s=60, shm_lend=True)
+def test_a_segment_rewritten_after_the_answer_changes_nothing(server, weights, sync):
+    """The trainer keeps its segment writable: NaN written into it after the update was answered must not reach what
+    the server computes with."""
+    shm = WeightSyncClient([server.url], api_key=KEY, transport="shm", timeout_s=60)
     new = {n: t + 0.05 for n, t in weights.items()}
     try:
         v = version(server.url) + 1
         shm.push(list(new.items()), version=v)
         applied = fingerprint(server.url)
         assert applied[2] == v
-        segment = shm._shm._cur  # the trainer's own writable mapping of the segment it lent
+        segment = shm._shm._cur  # the trainer's own writable mapping of its segment
         assert segment is not None and segment.data is not None
         segment.data.view(torch.float32).fill_(float("nan"))
         assert fingerprint(server.url) == applied
@@ -325,13 +326,13 @@ def test_a_segment_rewritten_between_check_and_pause_is_not_applied(tied_model_d
     update is applied: what the server applies is the copy it checked (the staged blocks, and the norms it copies
     apart: `staged`; everything, without staging)."""
     from inflight.engine.core import InferenceEngine
-    from inflight.engine.weight_receiver import WeightReceiver
-    from inflight.shm_weights import ShmWriter, announcement_digest
+    from inflight.engine.weights.receiver import WeightReceiver
+    from inflight.transport.shm import ShmWriter, announcement_digest
 
     monkeypatch.setenv("INFLIGHT_STAGE_UPDATES", "1" if staged else "0")
     eng = InferenceEngine(str(tied_model_dir), max_batch=2, max_model_len=64)
     assert eng.runner.double_buffer == staged
-    writer, receiver = ShmWriter(str(tmp_path), lend=True), WeightReceiver(eng)
+    writer, receiver = ShmWriter(str(tmp_path)), WeightReceiver(eng)
     eng.start()
     try:
         g = torch.Generator().manual_seed(1)
@@ -362,13 +363,14 @@ def test_the_vllm_apps_process_group_route_vets_the_master_address(tiny_model_di
     The full backend is checked in tests/vllm/test_vllm_backend.py."""
     from fastapi.testclient import TestClient
 
+    from inflight.config.engine import EngineSettings
     from inflight.engine.core import InferenceEngine
     from inflight.engine.vllm_backend.launcher import build_app
     from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver
 
     engine = InferenceEngine(str(tiny_model_dir), max_batch=2, max_model_len=64)
     receiver = VLLMWeightReceiver(SimpleNamespace(llm=None, version=0), engine.param_specs(), device="cpu")
-    app = build_app(engine, receiver, api_key="k", allow_remote_admin=True, own_port=8123)
+    app = build_app(engine, receiver, EngineSettings(api_key="k", allow_remote_admin=True), own_port=8123)
     base = {"rank_offset": 1, "world_size": 2, "timeout_s": 5}
     with TestClient(app) as client:
         for what, master in {"third host": ("198.51.100.7", 29500), "privileged port": ("127.0.0.1", 22),

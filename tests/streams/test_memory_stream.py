@@ -108,24 +108,3 @@ def test_bad_arguments():
         make_stream(PipelineConfig(stream="kafka"))
     with pytest.raises(ValueError, match="max_groups"):
         MemoryStream(capacity=2).get(0)
-
-
-def test_step_reader_assembles_exact_steps_and_keeps_partials():
-    from inflight.streams import StepReader
-
-    stream = MemoryStream(capacity=32, ctx=CTX)
-    reader = StepReader(stream, groups_per_step=4)
-    stream.put([make_group(i) for i in range(6)])
-    step = reader.next_step(timeout_s=5)
-    assert [g[0].group_id for g in step] == ["g0", "g1", "g2", "g3"]
-    assert reader.position == 4
-    assert reader.next_step(timeout_s=0.2) is None  # only 2 of 4 there: kept, not dropped
-    assert reader.position == 4 and stream.consumed == 6
-    stream.put([make_group(i) for i in range(6, 9)])
-    step = reader.next_step(timeout_s=5)
-    assert [g[0].group_id for g in step] == ["g4", "g5", "g6", "g7"]
-    assert reader.position == 8 and stream.consumed == 8  # never reads past the step
-    stream.ack(reader.position)
-    assert stream.acked == 8
-    with pytest.raises(ValueError, match="capacity"):
-        StepReader(MemoryStream(capacity=2, ctx=CTX), groups_per_step=4)

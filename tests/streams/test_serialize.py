@@ -7,12 +7,11 @@ import pickle
 
 import msgpack
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
+from streamdata import bits, make_group, same_group
 
 from inflight.contracts import Sample
 from inflight.streams.serialize import SerializationError, decode_group, encode_group
-from streamdata import bits, make_group, same_group
 
 
 def test_round_trip_is_exact():

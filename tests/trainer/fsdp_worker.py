@@ -14,10 +14,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from inflight.config.trainer import LoraConfig, TrainerConfig  # noqa: E402
-from inflight.pipeline.fsdp_loop import broadcast_bytes  # noqa: E402
 from inflight.trainer import fsdp as fsdp_module  # noqa: E402
 from inflight.trainer.accumulate import StepAccumulator  # noqa: E402
 from inflight.trainer.fsdp import FSDP2Trainer  # noqa: E402
+from inflight.trainer.loop.fsdp_loop import broadcast_bytes  # noqa: E402
 from inflight.trainer.packing import count_loss_tokens  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 from tests.trainer.helpers import ReinforceLoss, random_samples  # noqa: E402

@@ -1,11 +1,11 @@
-"""The trainer's fused RMSNorm and SwiGLU (inflight/trainer/fused.py, C) against float64 references written here,
+"""The trainer's fused RMSNorm and SwiGLU (inflight/trainer/kernels/fused.py, C) against float64 references written here,
 and a fused model against the same model unfused (logits and every parameter's gradient)."""
 
 import pytest
 import torch
 
-from inflight.trainer.fused import fuse_modules, rms_norm, swiglu
-from inflight.trainer.cpu_kernels import usable
+from inflight.trainer.kernels.cpu_kernels import usable
+from inflight.trainer.kernels.fused import fuse_modules, rms_norm, swiglu
 
 torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")
@@ -79,7 +79,7 @@ def test_the_kernels_run_only_on_float32_cpu_with_one_thread(tiny_model_dir, mon
     with one thread the kernels do."""
     from transformers import AutoModelForCausalLM
 
-    from inflight.trainer import fused
+    from inflight.trainer.kernels import fused
 
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     fuse_modules(m)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from inflight.config.trainer import TrainerConfig
-from inflight.trainer import head, varlen
+from inflight.trainer import head
+from inflight.trainer.kernels import varlen
 from inflight.trainer.packing import collate
 from inflight.trainer.single import SingleDeviceTrainer
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.config.trainer import LoraConfig, TrainerConfig
-from inflight.contracts import ParamInfo, adapter_pairs
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.single import SingleDeviceTrainer
+from inflight.transport.schemas import ParamInfo, adapter_pairs
 
 from .helpers import ReinforceLoss, random_samples
 
@@ -68,7 +68,7 @@ def test_only_the_adapter_is_trained_and_held_by_the_optimizer(stepped):
 
 
 def test_fresh_adapter_gives_the_base_logprobs_exactly(tiny_model_dir):
-    from inflight.trainer.fused import fuse_modules
+    from inflight.trainer.kernels.fused import fuse_modules
 
     base = _trainer(tiny_model_dir, None)
     lora = _trainer(tiny_model_dir, LoraConfig(rank=8, alpha=16.0))

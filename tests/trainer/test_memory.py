@@ -16,28 +16,58 @@ GiB = 1 << 30
 
 
 def test_decision_on_given_numbers():
-    # Qwen2.5-0.5B's shape, bf16-mixed, one rank, 16k tokens
+    # Qwen2.5-0.5B's shape, bf16-mixed, one rank, 16k tokens; the numbers worked out by hand from the docstrings
     qwen = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
     per_token = memory.activation_bytes_per_token(qwen, "bf16-mixed")
-    # per layer 2 * (18 * 896 + 2 * 128 + 4 * 4864) bytes, 24 layers, + the head's 12 * 896
-    assert per_token == 24 * 2 * (18 * 896 + 2 * 128 + 4 * 4864) + 12 * 896
+    # a layer: 2 B x (18 x 896 + 2 x 128 (2 kv heads of 64) + 4 x 4864) = 2 x 35_840 = 71_680 B;
+    # 24 layers 1_720_320 B, + the chunked head's 3 float32 hidden vectors 12 x 896 = 10_752 B
+    assert per_token == 1_731_072
     n = 494_032_768
     states = memory.state_bytes(n, n, "bf16-mixed")
-    assert states == 18 * n
-    need = states + per_token * 16384  # ~9 GB + ~28 GB
-    assert 30 * GiB < need < 45 * GiB
+    assert states == 8_892_589_824  # (4 + 12 + 2) B x 494_032_768
+    # states + 16_384 tokens x 1_731_072 B = 8_892_589_824 + 28_361_883_648 (~34.7 GiB)
+    need = 37_254_473_472
     assert not memory.needs_checkpointing(states, per_token, 16384, 139 * GiB)  # an H200: off
     assert memory.needs_checkpointing(states, per_token, 16384, 40 * GiB)  # a 40 GB card: on
-    threshold = need / (1 - memory.MARGIN)
-    assert not memory.needs_checkpointing(states, per_token, 16384, int(threshold) + 1)
-    assert memory.needs_checkpointing(states, per_token, 16384, int(threshold) - 1)
-    # sharding over 8 ranks divides the float32 states, not the bf16 copies
-    assert memory.state_bytes(n, n, "bf16-mixed", 8) == 16 * n // 8 + 2 * n
-    assert memory.state_bytes(n, 0, "float32") == 4 * n  # frozen (LoRA base): no gradients, no moments
-    # the full-logits head costs (2 + 4) bytes per vocabulary entry per token
-    assert (memory.activation_bytes_per_token(qwen, "bf16-mixed", chunked_head=False) - per_token
-            == 6 * 151936 - 12 * 896)
+    threshold = 46_568_091_840  # need / (1 - 0.2): 20% kept free
+    assert threshold * (1 - memory.MARGIN) == need
+    assert not memory.needs_checkpointing(states, per_token, 16384, threshold)
+    assert memory.needs_checkpointing(states, per_token, 16384, threshold - 1)
+    # sharding over 8 ranks divides the float32 states, not the bf16 copies: 16 B x n / 8 + 2 B x n = 4 B x n
+    assert memory.state_bytes(n, n, "bf16-mixed", 8) == 1_976_131_072
+    assert memory.state_bytes(n, 0, "float32") == 1_976_131_072  # frozen (LoRA base): 4 B x n, nothing else
+    assert memory.state_bytes(n, 0, "bf16-mixed") == 2_964_196_608  # frozen: 4 B + its 2 B bf16 copy, x n
+    # the full-logits head: 151_936 x (2 B bf16 logits + 4 B float32 copy) = 911_616 B instead of 10_752 B
+    assert memory.activation_bytes_per_token(qwen, "bf16-mixed", chunked_head=False) == 1_720_320 + 911_616
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_state_estimate_is_what_an_adamw_step_holds(tiny_model_dir, frozen):
+    """float32, one rank: after a step of the trainer's AdamW, the bytes of the weights, their gradients and the
+    optimizer's state (its step counters aside) are the estimate; with the embeddings frozen (as a LoRA base) they
+    get neither gradients nor moments."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if frozen:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    params = list(model.parameters())
+    opt, _ = build_optimizer(params, TrainerConfig())
+    ids = torch.randint(4, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    held = {}
+    for p in params:
+        for t in (p, p.grad):
+            if t is not None:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for state in opt.state.values():
+        for k, t in state.items():
+            if k != "step":
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    n = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    assert (trained < n) == frozen
+    assert memory.state_bytes(n, trained, "float32") == sum(held.values())
 
 
 @pytest.mark.parametrize("value,expected", [("auto", "auto"), ("true", True), ("false", False)])

@@ -8,8 +8,9 @@ import torch
 
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample
-from inflight.trainer import attention, prefix, row_attention
-from inflight.trainer.attention import packed_call, packed_mask
+from inflight.trainer import prefix
+from inflight.trainer.kernels import attention, row_attention
+from inflight.trainer.kernels.attention import packed_call, packed_mask
 from inflight.trainer.logprobs import uniform
 from inflight.trainer.packing import pack_samples
 from inflight.trainer.prefix import shared_layout
@@ -145,7 +146,7 @@ def test_packed_call_builds_no_mask():
 
 def test_packed_call_refuses_attention_without_boundaries():
     """A model that drops the forward's keywords must not run maskless SDPA over several samples."""
-    from inflight.trainer.attention import packed_sdpa
+    from inflight.trainer.kernels.attention import packed_sdpa
 
     q = torch.randn(1, 2, 5, 4)
     out, _ = packed_sdpa(torch.nn.Module(), q, q, q, None)  # a plain call outside packed_call: causal SDPA

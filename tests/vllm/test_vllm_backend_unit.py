@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inflight.contracts import WeightUpdateRequest
-from inflight.engine.vllm_backend.engine import _at, _logprob_of
 from inflight.engine.serve import strip_engine_flag
+from inflight.engine.vllm_backend.engine import _at, _logprob_of
 from inflight.engine.vllm_backend.launcher import check_vllm_version
 from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs, safetensors_header
-from inflight.engine.weight_receiver import WeightUpdateError
+from inflight.engine.weights.receiver import WeightUpdateError
+from inflight.transport.schemas import WeightUpdateRequest
 
 
 @pytest.fixture()
@@ -74,8 +74,9 @@ def test_a_tied_models_head_is_not_a_parameter(tmp_path):
 
 def test_shm_announcements_are_checked(receiver, tmp_path):
     """The shm transport needs no group; the segment's header must name this version of these tensors."""
-    from inflight.contracts import ParamInfo, shm_layout
-    from inflight.shm_weights import ShmWriter, announcement_digest
+    from inflight.transport.layout import shm_layout
+    from inflight.transport.schemas import ParamInfo
+    from inflight.transport.shm import ShmWriter, announcement_digest
 
     params = [{"name": "a.weight", "shape": [3, 4], "dtype": "float32"}]
     infos = [ParamInfo(**p) for p in params]

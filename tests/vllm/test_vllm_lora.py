@@ -47,7 +47,7 @@ def _error(model_dir, weights: dict, ch: dict) -> float:
 def test_adapter_updates_merge_in_the_workers(vllm_server, vllm_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from inflight.trainer.protocols.inflight import WeightSyncClient
+    from inflight.trainer.weight_sync.inflight import WeightSyncClient
 
     url, name = vllm_server.url, Path(vllm_model_dir).name
     hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)

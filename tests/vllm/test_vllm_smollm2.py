@@ -38,7 +38,7 @@ def test_conformance_suite(server):
 def test_chat_template_stop_and_logprobs(server, smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inflight.engine.chat_template import use_chat_template
+    from inflight.engine.api.chat_template import use_chat_template
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     use_chat_template(tok, "chatml_tools")
@@ -69,7 +69,7 @@ def test_tool_call_read_out_of_the_reply(server, smollm2_dir):
     template's rendering of the messages and tools."""
     from transformers import AutoTokenizer
 
-    from inflight.engine.chat_template import read_chat_template
+    from inflight.engine.api.chat_template import read_chat_template
     from tests.realmodel.test_tool_loop import START, TOOLS
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from inflight.trainer.protocols.common import WeightSyncError
-from inflight.trainer.protocols.inflight import WeightSyncClient
+from inflight.trainer.weight_sync.common import WeightSyncError
+from inflight.trainer.weight_sync.inflight import WeightSyncClient
 from tests.vllm.conftest import VLLM_PYTHON, build_vllm_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,

@@ -17,5 +17,5 @@ def options(s: Any, cuda: bool) -> list[str]:
 BACKEND = register(InferenceBackend(
     name="sglang", launcher="inflight.engine.sglang_backend.launcher:main",
     options="inflight.engine.sglang_backend.backend:options",
-    protocol="sglang", protocol_module="inflight.trainer.protocols.sglang",
-    adapter="inflight.actor.adapters:parse_sglang"))
+    protocol="sglang", protocol_module="inflight.trainer.weight_sync.sglang",
+    adapter="inflight.actor.response_parsers:parse_sglang"))

@@ -1,5 +1,5 @@
 """`VLLMEngine`: vLLM's `AsyncLLM` seen through the engine interface of inflight's HTTP layer
-(inflight/engine/server.py: `generate`, `abort`, `tokenizer`, `model_name`, `max_model_len`, `version`, `stats`).
+(inflight/engine/api/server.py: `generate`, `abort`, `tokenizer`, `model_name`, `max_model_len`, `version`, `stats`).
 
 So the OpenAI endpoints, their validation, stop strings, streaming and errors are inflight's own code — the same
 schemas and messages as the built-in server by construction — while scheduling, KV cache, sampling and logprobs
@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from transformers import AutoConfig, AutoTokenizer
 
 from inflight.engine.core import TokenEvent, VersionNotReached
-from inflight.engine.sampling import SamplingParams
+from inflight.engine.model.sampling import SamplingParams
 
 log = logging.getLogger("inflight.vllm.engine")
 

@@ -13,14 +13,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from typing import Any
+
+from inflight.config.engine import EngineSettings, add_flags, from_args
 
 WORKER_EXT = "inflight.engine.vllm_backend.worker_ext.InflightWorkerExtension"
 SUPPORTED = ((0, 32), (0, 34))  # [min, max) vLLM minor versions; see docs/backends.md
 DEFAULTS = [("--enable-prefix-caching", "--no-enable-prefix-caching"),
             ("--logprobs-mode", "--logprobs-mode=processed_logprobs"), ("--max-logprobs", "--max-logprobs=20")]
+
+# the settings (config/engine.py) this launcher takes as `inflight serve` does: our app's over vLLM
+SETTINGS = ("api_key", "allow_remote_admin", "header_timeout_s", "body_timeout_s", "chat_template", "tool_call_parser")
 
 log = logging.getLogger("inflight.vllm")
 
@@ -30,18 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the folder's name)")
-    p.add_argument("--api-key", default=os.environ.get("INFLIGHT_API_KEY") or None)
-    p.add_argument("--allow-remote-admin", action="store_true")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a connection whose request headers are not complete in this time is closed")
-    p.add_argument("--body-timeout-s", type=float, default=30.0,
-                   help="a request body not received in this time gets HTTP 408 and its connection closed")
-    p.add_argument("--chat-template", default=None, help=(
-        "a Jinja file, or a template shipped with inflight by name (chatml_tools), replacing the model's own: our "
-        "chat route renders prompts with it"))
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", "hermes"],
-                   help="reads tool calls out of chat replies (auto: the one the chat template writes)")
+    add_flags(p, SETTINGS)
     p.add_argument("--weight-staging", choices=("host", "device"), default="host", help=(
         "GPU workers: stage a broadcast update in pinned host memory, received through one bucket-sized GPU buffer "
         "(default), or on the GPU (a shorter pause; needs the model's size free: lower --gpu-memory-utilization)"))
@@ -76,34 +70,37 @@ def engine_args(model: str, vllm_argv: list[str]) -> Any:
     return args
 
 
-def build_app(engine: Any, receiver: Any, *, api_key: str | None, allow_remote_admin: bool,
-              tool_call_parser: str = "auto", own_port: int | None = None, body_timeout_s: float = 30.0) -> Any:
+def build_app(engine: Any, receiver: Any, settings: EngineSettings, *, own_port: int | None = None) -> Any:
     """inflight's app over vLLM: the built-in server's OpenAI and health routers over `engine`, its weight router
-    over `receiver` (the workers), behind the same access rules (server.py), the process-group master rule
-    included (`own_port`: the port this server listens on, which may not be named as a master port)."""
-    from inflight.engine.guards import Admission  # lazy: start-up cost (FastAPI, torch), not paid by `--help`
-    from inflight.engine.http_errors import Auth  # lazy: start-up cost
-    from inflight.engine.routes_health import health_router, prometheus_text  # lazy: start-up cost
-    from inflight.engine.routes_openai import openai_router  # lazy: start-up cost
-    from inflight.engine.routes_weights import weights_router  # lazy: start-up cost
-    from inflight.engine.server import base_app  # lazy: start-up cost
+    over `receiver` (the workers), behind the same access rules (server.py) by the same `settings` (those in
+    SETTINGS come from the command line), the process-group master rule included (`own_port`: the port this server
+    listens on, which may not be named as a master port)."""
+    from inflight.engine.api.guards import Admission  # lazy: start-up cost (FastAPI, torch), not paid by `--help`
+    from inflight.engine.api.http_errors import Auth  # lazy: start-up cost
+    from inflight.engine.api.metrics import ServerMetrics  # lazy: start-up cost
+    from inflight.engine.api.routes_health import health_router  # lazy: start-up cost
+    from inflight.engine.api.routes_openai import openai_router  # lazy: start-up cost
+    from inflight.engine.api.routes_weights import weights_router  # lazy: start-up cost
+    from inflight.engine.api.server import base_app  # lazy: start-up cost
 
-    app = base_app(engine, api_key=api_key, body_timeout_s=body_timeout_s)
+    app = base_app(engine, settings)
     admission = Admission(engine.max_batch, None)
     app.state.receiver, app.state.admission = receiver, admission
-    auth = Auth(api_key, allow_remote_admin)
-    app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch, tool_call_parser=tool_call_parser))
-    app.include_router(health_router(engine, auth, lambda: prometheus_text(engine.stats(), receiver.updates)))
+    auth = Auth(settings.api_key or None, settings.allow_remote_admin)
+    metrics = ServerMetrics(engine, receiver, admission)
+    app.include_router(openai_router(engine, admission, auth, max_n=engine.max_batch,
+                                     tool_call_parser=settings.tool_call_parser, metrics=metrics))
+    app.include_router(health_router(engine, auth, metrics))
     # a master address is vetted as on the built-in server (guards.check_master_address): the workers connect to
     # the address checked, never to a name resolved again
-    app.include_router(weights_router(receiver, auth, own_port=own_port))
+    app.include_router(weights_router(receiver, auth, own_port=own_port, metrics=metrics))
     return app
 
 
 async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     import uvicorn  # lazy: start-up cost, not paid by `--help` or a bad argument
 
-    from inflight.engine.http_server import uvicorn_config  # lazy: imports uvicorn
+    from inflight.engine.api.http_server import uvicorn_config  # lazy: imports uvicorn
 
     try:
         import vllm  # lazy: vLLM is optional (its own environment)
@@ -113,7 +110,7 @@ async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
     from vllm.usage.usage_lib import UsageContext  # lazy: vLLM is optional
     from vllm.v1.engine.async_llm import AsyncLLM  # lazy: vLLM is optional
 
-    from inflight.engine.chat_template import ChatTemplateError, read_chat_template  # lazy: start-up cost
+    from inflight.engine.api.chat_template import ChatTemplateError, read_chat_template  # lazy: start-up cost
     from inflight.engine.vllm_backend.engine import VLLMEngine  # lazy: start-up cost (torch, transformers)
     from inflight.engine.vllm_backend.receiver import VLLMWeightReceiver, checkpoint_specs  # lazy: start-up cost
 
@@ -132,8 +129,7 @@ async def serve(args: argparse.Namespace, vllm_argv: list[str]) -> None:
                                   device=info["device"], staging=args.weight_staging, tied=info["tied"])
     log.info("vLLM %s engine up: %s, dtype %s on %s, max_model_len %d", vllm.__version__, engine.model_name,
              info["dtype"], info["device"], engine.max_model_len)
-    app = build_app(engine, receiver, api_key=args.api_key, allow_remote_admin=args.allow_remote_admin,
-                    tool_call_parser=args.tool_call_parser, own_port=args.port, body_timeout_s=args.body_timeout_s)
+    app = build_app(engine, receiver, from_args(args, SETTINGS), own_port=args.port)
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             header_timeout_s=args.header_timeout_s)
     await uvicorn.Server(config).serve()

@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from inflight.contracts import (InitProcessGroupRequest, ParamInfo, WeightUpdateRequest, bucket_layout, packed_bytes,
-                                shm_layout)
+from inflight.transport.schemas import InitProcessGroupRequest, ParamInfo, WeightUpdateRequest
+
+from inflight.transport.layout import bucket_layout, packed_bytes, shm_layout
 from inflight.engine.vllm_backend.worker_ext import NONFINITE
-from inflight.engine.update_checks import (DTYPES, WeightUpdateError, check_adapter, check_params, check_shm,
+from inflight.engine.weights.checks import (DTYPES, WeightUpdateError, check_adapter, check_params, check_shm,
                                            check_version, file_params, safetensors_header, wait_shm)
 
 log = logging.getLogger("inflight.vllm.weights")
@@ -53,7 +54,7 @@ def checkpoint_specs(model_dir: str, dtype: str, tied: bool = False) -> dict[str
 
 
 class VLLMWeightReceiver:
-    """Same interface as inflight.engine.weight_receiver.WeightReceiver (init_process_group, validate, update)."""
+    """Same interface as inflight.engine.weights.receiver.WeightReceiver (init_process_group, validate, update)."""
 
     def __init__(self, engine: Any, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: str,
                  staging: str = "host", tied: bool = False):

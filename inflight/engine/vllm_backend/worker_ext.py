@@ -47,9 +47,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed import ProcessGroupGloo, TCPStore
 
-from inflight.engine.adapter_merge import LORA_A, LORA_B, bases_of, merge
-from inflight.finite import nonfinite, private_copies
-from inflight.shm_weights import ShmMapping
+from inflight.engine.weights.adapter_merge import LORA_A, LORA_B, bases_of, merge
+from inflight.transport.finite import nonfinite, private_copies
+from inflight.transport.shm import ShmMapping
 
 log = logging.getLogger("inflight.vllm.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

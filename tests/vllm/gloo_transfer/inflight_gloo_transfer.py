@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 BACKEND = "gloo"
 
