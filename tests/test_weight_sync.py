@@ -198,7 +198,7 @@ def test_update_during_long_generation(server, hf, sync, mode):
     sync.push(old.items(), version=base)
     new = perturbed(hf, seed=base + 1)
     prompt, seen, got, versions = generation_across_update(
-        server.url, MSG, lambda: sync.push(new.items(), version=base + 1, mode=mode), base, base + 1, n=4)
+        server.url, MSG, lambda: sync.push(new.items(), version=base + 1, mode=mode), base, base + 1)
     switch = versions.index(base + 1)
     assert versions == [base] * switch + [base + 1] * (len(versions) - switch)
     ids, n_prompt = prompt + seen, len(prompt)
