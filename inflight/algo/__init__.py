@@ -1,5 +1,6 @@
-"""Advantages and RL losses: `compute_advantages(rewards, cfg)`, `make_loss(cfg) -> LossFn`, `lag_stats`; what
-training does with truncated completions (`truncation`).
+"""Advantages and RL losses: `compute_advantages(rewards, cfg)` (per group), REINFORCE++'s per-token advantages of a
+whole step (`reinforce_pp`), `make_loss(cfg) -> LossFn` (token-level losses in `losses`, GSPO's sequence ratio and
+masked importance sampling in `sequence`), `lag_stats`; what training does with truncated completions (`truncation`).
 
 The names load on first use: the actor and the reward service import `inflight.algo.truncation` without torch.
 """

@@ -5,6 +5,7 @@
     normalize_std  A_i ← A_i / (std(r) + eps)                 std over the group, population form (divide by G)
 
 A group whose rewards are all equal carries no signal and gets exactly 0 for every sample (also G = 1).
+REINFORCE++'s advantages (per token, normalised across the step) are in reinforce_pp.py.
 Arithmetic is plain Python float64 (math.fsum), so results do not depend on the order of the group.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from inflight.algo.reinforce_pp import STEP_ADVANTAGES
 from inflight.config.algo import AlgoConfig
 
 
@@ -42,6 +44,9 @@ def group_std(r: list[float]) -> float:
 
 def compute_advantages(rewards: Sequence[Sequence[float]], cfg: AlgoConfig) -> list[list[float]]:
     """Advantages for a list of groups (one list of rewards per prompt), same shape as `rewards`."""
+    if cfg.advantage in STEP_ADVANTAGES:  # per token, from the whole step: reinforce_pp.py, in the trainer loop
+        raise ValueError(f"algo.advantage={cfg.advantage!r} is computed per optimizer step by the trainer loop "
+                         f"(inflight.algo.reinforce_pp.step_advantages), not per group")
     if cfg.advantage not in BASELINES:
         raise ValueError(f"unknown algo.advantage {cfg.advantage!r}; choose one of {sorted(BASELINES)}")
     if cfg.normalize_std and not cfg.std_eps > 0:

@@ -72,6 +72,25 @@ def _optional_section(f: dataclasses.Field) -> list[type]:
     return [a for a in typing.get_args(f.type) if isinstance(a, type) and dataclasses.is_dataclass(a)]
 
 
+ALGORITHMS = """
+### Which algorithm when
+
+| algorithm | settings | when to use it |
+|---|---|---|
+| GRPO with truncated IS (default) | `algo.loss=grpo` | the default: group-relative advantages, a token's π/μ capped at `is_cap`; robust to the lag of pipelined training |
+| PPO-clip (no critic) | `algo.loss=ppo` | the usual clipped surrogate on π/μ; small lags only (a stale token's clip stops its gradient) |
+| decoupled PPO (AReaL) | `algo.loss=decoupled_ppo` | large staleness: the clip around the weights before this step, π_prox/μ as a capped weight |
+| AIPO (LlamaRL) | `algo.loss=aipo` | fully asynchronous runs: REINFORCE with a one-sided cap ρ on π/μ |
+| GSPO (Zheng et al. 2025) | `algo.loss=gspo` | sequence rewards with long answers or MoE models: one ratio per sample (geometric mean of π/μ), clipped per sequence in [1−3e-4, 1+4e-4] |
+| GSPO-token | `algo.loss=gspo_token` | GSPO with per-token advantages (e.g. REINFORCE++'s KL in the return); the same as GSPO when a sample's advantages are equal |
+| CISPO (MiniMax-M1) | `algo.loss=cispo` | long reasoning where PPO's clip drops rare, decisive tokens: the IS weight is clipped and detached, every token keeps its gradient; token-mean loss |
+| Dr. GRPO (Liu et al. 2025) | `algo.normalization=constant` (`normalize_std=false`, the default) | unbiased GRPO: no std division, no per-answer length normalisation (a constant, `actor.max_new_tokens` unless `norm_constant`); answers do not grow to dilute a penalty |
+| REINFORCE++ (Hu 2025) | `algo.advantage=reinforce_pp` (`kl_reward_coef` for the KL in the return) | one answer per prompt, or reward models prone to hacking: advantages normalised over the whole step's tokens; single-device trainer |
+| REINFORCE++-baseline | `algo.advantage=reinforce_pp_baseline` | several answers per prompt (reasoning): the group's mean reward subtracted first, then the step normalisation |
+| masked IS (MIS) | `algo.is_mask=sequence` or `geometric` (any loss) | the generator and trainer disagree (another engine, bf16 vs fp32): samples whose π/μ leaves [`is_mask_low`, `is_mask_high`] are left out |
+"""
+
+
 def render() -> str:
     lines = [HEADER]
     top = [f for f in dataclasses.fields(RunConfig) if not dataclasses.is_dataclass(_default(f))]
@@ -96,6 +115,8 @@ def render() -> str:
                 for h in dataclasses.fields(opt):
                     lines.append(f"| `{f.name}.{g.name}.{h.name}` | {_type(h)} | {_fmt(_default(h))} | "
                                  f"{sub_comments.get(h.name, '').replace('|', '/')} |")
+        if f.name == "algo":
+            lines.append(ALGORITHMS.rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from inflight.actor import run_actor
+from inflight.algo.reinforce_pp import STEP_ADVANTAGES
 from inflight.backends import startup_timeout
 from inflight.config import RunConfig
 from inflight.pipeline.launch_common import wait_healthy
@@ -50,6 +51,9 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     # FSDP2 gathers weights with collectives, even at world 1: its pushes must not overlap the next step's
     # forward (TrainerLoop pushes on a thread meanwhile), so every FSDP2 run takes the distributed loop
     distributed = world > 1 or cfg.trainer.backend == "fsdp2"
+    if distributed and cfg.algo.advantage in STEP_ADVANTAGES:  # its step statistics are gathered by TrainerLoop
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} runs on the single-device trainer only (not yet "
+                         f"with trainer.backend=fsdp2 or several ranks)")
     if distributed and rank > 0:
         freeze_startup_objects()
         DistributedTrainerLoop(cfg, policy, stream, None, None, run_dir, rank=rank, world_size=world,
@@ -57,7 +61,8 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
         return
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     ref = None
-    if cfg.algo.kl_coef > 0:  # the reference model: frozen initial weights (cfg.model.path, also on resume)
+    if cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0:  # the reference model: frozen initial weights
+        # (cfg.model.path, also on resume)
         ref = make_trainer(cfg.model.path, replace(cfg.trainer, lora=None))  # the base alone, with LoRA too
         ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang

@@ -73,16 +73,26 @@ def _check(sample: Sample, with_versions: bool) -> None:
                          f"{len(sample.loss_mask)} loss_mask entries")
 
 
+def completion_slices(samples: list[Sample]) -> list[tuple[int, int]]:
+    """[start, end) of each sample's completion tokens in a batch collated from exactly these samples."""
+    out, pos = [], 0
+    for s in samples:
+        out.append((pos + len(s.prompt_ids), pos + len(s)))
+        pos += len(s)
+    return out
+
+
 def collate(
     samples: list[Sample],
-    advantages: list[float],
+    advantages: "list[float] | list[float | list[float]]",
     num_samples_in_step: int,
     num_tokens_in_step: int,
     with_versions: bool = True,
     temperature: float = 1.0,
     trained: list[bool] | None = None,
 ) -> TrainBatch:
-    """One packed TrainBatch of exactly these samples, in this order. `trained[k]` False: sample k is in the row but
+    """One packed TrainBatch of exactly these samples, in this order. `advantages[k]`: one value for every completion
+    token of sample k, or a list of one per completion token (REINFORCE++). `trained[k]` False: sample k is in the row but
     none of its tokens trains (loss_mask 0), e.g. a truncated completion under algo.truncated=mask."""
     if trained is not None and len(trained) != len(samples):
         raise ValueError(f"{len(samples)} samples but {len(trained)} trained flags")
@@ -104,7 +114,12 @@ def collate(
         m = [0.0] * p + [on * x for x in completion_mask(s)]  # an environment's tokens are never trained
         m[0] = 0.0  # nothing in this sample predicts its first token
         mask += m
-        adv += [0.0] * p + [float(a)] * c
+        if isinstance(a, (list, tuple)):
+            if len(a) != c:
+                raise ValueError(f"sample {k}: {c} completion tokens but {len(a)} per-token advantages")
+            adv += [0.0] * p + [float(x) for x in a]
+        else:
+            adv += [0.0] * p + [float(a)] * c
         mu += [0.0] * p + (list(s.logprobs) if with_versions else [0.0] * c)
         ver += [-1] * p + (list(s.versions) if with_versions else [-1] * c)
         sidx += [k] * n

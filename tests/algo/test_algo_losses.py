@@ -98,11 +98,12 @@ def reference(cfg: AlgoConfig, b: TrainBatch, logp, entropy):
         grad[t] += cfg.kl_coef * kg
         term[t] -= cfg.entropy_coef * H[t]
         ents.append(H[t])
-    if cfg.normalization == "sequence_length":
+    how = "sequences" if cfg.normalization == "auto" else cfg.normalization  # auto: sequences for these losses
+    if how == "sequence_length":
         n_s = [sum(mask[t] for t in range(T) if sidx[t] == s) for s in range(len(b.seq_lens))]
         scale = [1 / n_s[sidx[t]] / b.num_samples_in_step if mask[t] else 0.0 for t in range(T)]
     else:
-        denom = b.num_samples_in_step if cfg.normalization == "sequences" else b.num_tokens_in_step
+        denom = b.num_samples_in_step if how == "sequences" else b.num_tokens_in_step
         scale = [1 / denom] * T
     loss = sum(term[t] * scale[t] for t in range(T))
     grad = [grad[t] * scale[t] for t in range(T)]

@@ -15,6 +15,11 @@ they are left out of the backward and of the token count, while their rewards st
 baselines and the sequence count (`sequences` normalisation) still counts them. Every step logs completion lengths
 and endings (trainer/loop/completions.py) and warns when the truncated share stays high.
 
+REINFORCE++ (`algo.advantage: reinforce_pp | reinforce_pp_baseline`, algo/reinforce_pp.py) normalises its per-token
+advantages over every trained token of the step, and with `algo.kl_reward_coef` takes the reference model's KL off
+each token's return: its steps back-propagate only once all their groups are in, after one forward of the reference
+model over the step's trained samples (`_step_advantages`).
+
 Samples whose advantage is exactly 0 are not back-propagated when the loss has no KL or entropy term: every policy
 loss here multiplies its per-token term by A, so their gradient is exactly 0, and the denominators count the whole
 step either way (the gradient is the same, the work is not: at 80% accuracy most groups are all right). The loss
@@ -33,13 +38,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from inflight.config.limits import pipeline_limits, staleness
 from inflight.algo import advantages as adv_mod
-from inflight.algo.losses import lag_stats, make_loss, merge_stats
+from inflight.algo import reinforce_pp
+from inflight.algo.losses import lag_stats, make_loss, merge_stats, normalization_of
 from inflight.algo.truncation import trains
 from inflight.config import RunConfig
 from inflight.contracts import Group, Sample
@@ -48,7 +54,8 @@ from inflight.trainer.loop.completions import TruncationAlarm, completion_stats
 from inflight.backends import startup_timeout
 from inflight.trainer.loop.ordering import StartOrder
 from inflight.trainer.weight_sync.rejoin import refused, rejoin_weight_group, server_versions
-from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
+from inflight.trainer.packing import (collate, completion_mask, completion_slices, count_loss_tokens,
+                                      first_fit_decreasing)
 from inflight.trainer.weight_sync.common import WeightSyncError
 
 
@@ -61,7 +68,7 @@ class StepData:
     """The samples of one optimizer step seen so far, with their advantages, and the micro-batches not yet run."""
 
     samples: list[Sample] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
+    advantages: list[float | list[float]] = field(default_factory=list)  # per sample, or per completion token
     pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
     skipped: list[int] = field(default_factory=list)  # zero-advantage samples left out of the backward
     masked: list[int] = field(default_factory=list)  # truncated samples left out of the loss (algo.truncated=mask)
@@ -69,6 +76,7 @@ class StepData:
     forward_tokens: int = 0  # tokens the forward/backward ran over (a shared prompt once per micro-batch)
     groups: int = 0
     rewards: list[float] = field(default_factory=list)
+    kl_reward: float = 0.0  # REINFORCE++: mean KL(mu / ref) per trained token, the estimate in the return
 
 
 def version_mix(samples: list[Sample]) -> dict[str, Any]:
@@ -117,8 +125,12 @@ class TrainerLoop:
         self.log = log
         self.run_dir = Path(run_dir)
         self.ref_policy = ref_policy
-        self.loss_fn = make_loss(cfg.algo)
-        self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
+        # Dr. GRPO's constant normaliser defaults to the generation limit, which only the run's config knows
+        self.algo = replace(cfg.algo, norm_constant=cfg.algo.norm_constant or float(cfg.actor.max_new_tokens))
+        self.loss_fn = make_loss(self.algo)
+        self.per_step_advantages = cfg.algo.advantage in reinforce_pp.STEP_ADVANTAGES
+        # REINFORCE++'s advantages are shifted by the step's mean: none is known to be 0 before the step is whole
+        self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0 and not self.per_step_advantages
         self.alarm = TruncationAlarm(cfg.pipeline.warn_truncated_frac, cfg.pipeline.warn_truncated_steps)
         self.samples_trained = 0
         self.started = time.time()
@@ -188,9 +200,39 @@ class TrainerLoop:
         data.forward_tokens += forward_tokens(s, getattr(self.policy, "share_prompts", False))
         if self.cfg.algo.loss == "decoupled_ppo":  # pi_prox: weights before this step (unchanged until the step)
             batch.prox_logprobs = self.policy.forward_logprobs(batch)
-        if self.ref_policy is not None:
+        if self.ref_policy is not None and self.cfg.algo.kl_coef > 0:  # the KL term of the loss
             batch.ref_logprobs = self.ref_policy.forward_logprobs(batch)
         return batch
+
+    def _step_advantages(self, data: StepData) -> None:
+        """REINFORCE++: the per-token advantages of the step's trained samples, from their base rewards (in
+        data.advantages until now), the reference model's KL and the statistics of the whole step."""
+        idx = list(data.pending)
+        beta = self.cfg.algo.kl_reward_coef
+        mu, ref, trained = [], [], []
+        for i in idx:
+            s = data.samples[i]
+            mu.append(list(s.logprobs))
+            mask = [m > 0 for m in completion_mask(s)]
+            if not s.prompt_ids and mask:  # nothing predicts a sample's first token
+                mask[0] = False
+            trained.append(mask)
+        if beta > 0:
+            if self.ref_policy is None:
+                raise ValueError("algo.kl_reward_coef > 0 needs the reference model (built by the trainer role)")
+            by_sample: dict[int, list[float]] = {}
+            for b in first_fit_decreasing([len(data.samples[i]) for i in idx], self.cfg.trainer.micro_batch_tokens):
+                part = [data.samples[idx[j]] for j in b]
+                batch = collate(part, [0.0] * len(part), 1, 1, temperature=self.cfg.actor.temperature)
+                logp = self.ref_policy.forward_logprobs(batch).double().tolist()
+                for j, (lo, hi) in zip(b, completion_slices(part), strict=True):
+                    by_sample[j] = logp[lo:hi]
+            ref = [by_sample[j] for j in range(len(idx))]
+            data.kl_reward = reinforce_pp.mean_kl(mu, ref, trained, self.cfg.algo.kl_reward_estimator)
+        rewards = [float(data.advantages[i]) for i in idx]  # type: ignore[arg-type]  # scalars until here
+        for i, a in zip(idx, reinforce_pp.step_advantages(rewards, mu, ref if beta > 0 else None, trained,
+                                                          self.cfg.algo), strict=True):
+            data.advantages[i] = a
 
     def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list) -> None:
         """Back-propagate the pending samples' full micro-batches (all of them when final)."""
@@ -219,7 +261,11 @@ class TrainerLoop:
     def _add_groups(self, data: StepData, groups: list[Group]) -> None:
         rewards = [[s.reward for s in g] for g in groups]
         mode = self.cfg.algo.truncated
-        for g, adv in zip(groups, adv_mod.compute_advantages(rewards, self.cfg.algo), strict=True):
+        if self.per_step_advantages:  # the sample's reward (less its group's mean), per token once the step is in
+            advantages = reinforce_pp.base_rewards(rewards, self.cfg.algo)
+        else:
+            advantages = adv_mod.compute_advantages(rewards, self.cfg.algo)
+        for g, adv in zip(groups, advantages, strict=True):
             for s, a in zip(g, adv, strict=True):
                 if not trains(s, mode):
                     data.masked.append(len(data.samples))
@@ -235,7 +281,7 @@ class TrainerLoop:
     def step(self) -> dict[str, float]:
         gps = self.cfg.actor.groups_per_step
         n_seq = gps * self.cfg.actor.group_size
-        incremental = self.cfg.algo.normalization != "tokens"
+        incremental = normalization_of(self.algo) != "tokens" and not self.per_step_advantages
         data = StepData()
         stats: list[dict[str, float]] = []
         t0 = time.time()
@@ -248,6 +294,8 @@ class TrainerLoop:
             self._add_groups(data, groups)
             if incremental:
                 self._run(data, False, n_seq, 0, stats)
+        if self.per_step_advantages:
+            self._step_advantages(data)
         masked = set(data.masked)
         n_tok = count_loss_tokens([s for i, s in enumerate(data.samples) if i not in masked])
         self._run(data, True, n_seq, n_tok, stats)
@@ -285,6 +333,8 @@ class TrainerLoop:
             "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
+        if self.per_step_advantages:
+            record["kl_reward"] = data.kl_reward
         self.log.log("train_step", step=version, **record)
         self.warn_truncation(version, record["truncated_frac"])
         return record
