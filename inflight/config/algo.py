@@ -23,7 +23,7 @@ class AlgoConfig:
     behaviour_cap: float = 5.0  # decoupled_ppo: cap of pi_prox / mu
     behaviour_cap_mode: str = "mask"  # mask | clamp
     aipo_rho: float = 4.0
-    kl_coef: float = 0.0  # reference-model KL
+    kl_coef: float = 0.0  # KL to the reference model (the starting weights, frozen; on fsdp2 sharded like the policy)
     kl_clamp: float = 10.0
     kl_reward_coef: float = 0.0  # reinforce_pp*: beta of the per-token KL(mu/ref) in the return (needs the ref model)
     kl_reward_estimator: str = "k1"  # k1: log mu - log ref (REINFORCE++ eq. 9) | k2: (log mu - log ref)^2 / 2

@@ -19,7 +19,7 @@ class LoraConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: str = "single"  # single | fsdp2
+    backend: str = "single"  # single | fsdp2 (every algo.loss, KL and entropy term on both)
     num_processes: int = 1  # ranks for fsdp2 (actor.groups_per_step must be a multiple of it)
     fsdp_shard_one_rank: bool = False  # fsdp2 at one rank: shard anyway (false: the plain module, nothing to shard)
     device: str = "cpu"

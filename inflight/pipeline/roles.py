@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from inflight.config import RunConfig
 from inflight.pipeline.launch_common import wait_healthy
 from inflight.process import freeze_startup_objects, retain_freed_memory
 from inflight.report.metrics import MetricsLogger
-from inflight.trainer.factory import make_trainer
+from inflight.trainer.factory import make_reference, make_trainer
 from inflight.trainer.loop.checkpoint import model_folder, restore_trainer
 from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
 from inflight.trainer.loop.trainer_loop import TrainerLoop
@@ -54,17 +53,16 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     if distributed and cfg.algo.advantage in STEP_ADVANTAGES:  # its step statistics are gathered by TrainerLoop
         raise ValueError(f"algo.advantage={cfg.algo.advantage} runs on the single-device trainer only (not yet "
                          f"with trainer.backend=fsdp2 or several ranks)")
+    # the reference model (KL in the loss or in the return): the frozen starting weights (cfg.model.path, also on
+    # resume; with LoRA the base alone), on the policy's backend: with fsdp2 every rank builds its shard (collective)
+    needs_ref = cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
+    ref = make_reference(cfg.model.path, cfg.trainer) if needs_ref else None
     if distributed and rank > 0:
         freeze_startup_objects()
         DistributedTrainerLoop(cfg, policy, stream, None, None, run_dir, rank=rank, world_size=world,
-                               resume=resume).run()
+                               ref_policy=ref, resume=resume).run()
         return
     log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
-    ref = None
-    if cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0:  # the reference model: frozen initial weights
-        # (cfg.model.path, also on resume)
-        ref = make_trainer(cfg.model.path, replace(cfg.trainer, lora=None))  # the base alone, with LoRA too
-        ref.init()
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     wait_healthy(server_urls, [], startup_timeout(cfg), cfg.server.api_key)  # servers may still load
     sync.init_process_group()
@@ -74,7 +72,7 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     try:
         if distributed:
             DistributedTrainerLoop(cfg, policy, stream, sync, log, run_dir, rank=0, world_size=world,
-                                   resume=resume).run()
+                                   ref_policy=ref, resume=resume).run()
         else:
             TrainerLoop(cfg, policy, stream, sync, log, run_dir, ref_policy=ref, resume=resume).run()
     finally:

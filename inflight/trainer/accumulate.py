@@ -17,7 +17,9 @@ gradient). All ranks therefore reach the optimizer step together.
 accumulator keeps everything until `finish` (no streaming), and `num_samples_in_step` alone streams.
 
 `prox=True` (decoupled PPO) fills `batch.prox_logprobs` with `forward_logprobs` just before each backward: the
-weights only change at the optimizer step, so these are the weights before this step.
+weights only change at the optimizer step, so these are the weights before this step. `ref` (a frozen reference
+engine, KL term) fills `batch.ref_logprobs` the same way; with FSDP2 both are collective, like the backward, and run
+on the stand-in micro-batch of a rank without work too.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ class StepAccumulator:
         temperature: float = 1.0,
         prox: bool = False,
         merge: Callable[[list[dict[str, float]]], dict[str, float]] | None = None,
+        ref: Any = None,
     ):
         self.engine, self.loss_fn, self.budget = engine, loss_fn, token_budget
         self.num_samples_in_step, self.num_tokens_in_step = num_samples_in_step, num_tokens_in_step
-        self.with_versions, self.temperature, self.prox = with_versions, temperature, prox
+        self.with_versions, self.temperature, self.prox, self.ref = with_versions, temperature, prox, ref
         self.merge = merge or merge_stats  # e.g. inflight.algo.merge_stats for its loss stats
         self.pending: list[tuple[Sample, float]] = []
         self.stats: list[dict[str, float]] = []
@@ -103,6 +106,8 @@ class StepAccumulator:
             b = batches[k] if real else empty_batch(self.num_samples_in_step, self.num_tokens_in_step or 1)
             if self.prox:
                 b.prox_logprobs = self.engine.forward_logprobs(b)
+            if self.ref is not None:
+                b.ref_logprobs = self.ref.forward_logprobs(b)
             stats = self.engine.backward(b, self.loss_fn)
             if real:
                 self.stats.append(stats)

@@ -37,7 +37,7 @@ from inflight.config.trainer import TrainerConfig
 from inflight.trainer.kernels.fused import fuse_modules
 from inflight.trainer.lora import check_adapter_fits, is_lora, read_adapter, save_adapter
 from inflight.trainer.optim import build_optimizer
-from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, load_model
+from inflight.trainer.single import SingleDeviceTrainer, attn_implementation, for_training, freeze, load_model
 
 # Ranks > 0 wait in their first collective while rank 0 waits for the servers (pipeline.startup_timeout_s: up to
 # 13 min for four vLLM servers) and forms the weight group (up to 10 min): a dead rank stops the run through the
@@ -62,8 +62,8 @@ class FSDP2Trainer(SingleDeviceTrainer):
 
     train_state_from_rank0 = True  # load_train_state uses rank 0's optimizer state only (restore_trainer maps it)
 
-    def __init__(self, model_path: str, cfg: TrainerConfig):
-        super().__init__(model_path, cfg)
+    def __init__(self, model_path: str, cfg: TrainerConfig, frozen: bool = False):
+        super().__init__(model_path, cfg, frozen)
         self.device = torch.device("cpu")  # set per rank in init()
         self.rank, self.world_size = 0, 1
         self.cpu_group: dist.ProcessGroup | None = None  # gloo over all ranks, for CPU tensors (init)
@@ -93,6 +93,8 @@ class FSDP2Trainer(SingleDeviceTrainer):
         # non-persistent buffers (rotary inv_freq) by a broadcast each.
         source = load_model(self.model_path, self.cfg, "cpu") if self.rank == 0 else None
         model = self._meta_model()
+        if self.frozen:  # before sharding: FSDP2 makes its sharded parameters with the same requires_grad
+            freeze(model)
         mp = MixedPrecisionPolicy()  # fully_shard's default: no casts
         if self.cfg.precision == "bf16-mixed":
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -108,10 +110,19 @@ class FSDP2Trainer(SingleDeviceTrainer):
         self._values_from_rank0(model, source)
         del source
         self.model = model
+        self._finish_init()
+
+    def _finish_init(self) -> None:
+        """The skeleton save() writes with, the tokenizer and the optimizer; a frozen reference needs none of them
+        (and is put in eval mode)."""
+        assert self.model is not None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.frozen:
+            freeze(self.model)
+            return
         if self.rank == 0 and self.cfg.lora is None:
             self.skeleton = self._skeleton()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
 
     def _skeleton(self) -> PreTrainedModel:
         """The model_path architecture on the meta device with the folder's config and generation config, read once
@@ -131,10 +142,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         self.model = load_model(self.model_path, self.cfg, self.device)
         if self.device.type == "cpu":
             fuse_modules(self.model)  # as SingleDeviceTrainer.init
-        if self.cfg.lora is None:
-            self.skeleton = self._skeleton()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
+        self._finish_init()
 
     def _meta_model(self) -> PreTrainedModel:
         """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""

@@ -89,6 +89,12 @@ def for_training(model: PreTrainedModel, cfg: TrainerConfig, model_path: str | N
     return model
 
 
+def freeze(model: torch.nn.Module) -> None:
+    """A reference model: no parameter asks for a gradient, and eval mode (no dropout)."""
+    model.requires_grad_(False)
+    model.eval()
+
+
 def autocast(cfg: TrainerConfig, device: torch.device | str) -> contextlib.AbstractContextManager:
     if cfg.precision == "bf16-mixed":
         return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
@@ -123,10 +129,11 @@ class SingleDeviceTrainer:
     rank = 0
     share_prompts = True  # samples with one prompt run it once per micro-batch (prefix.py; same gradients)
 
-    def __init__(self, model_path: str, cfg: TrainerConfig):
+    def __init__(self, model_path: str, cfg: TrainerConfig, frozen: bool = False):
         check_config(cfg)
         self.model_path = str(model_path)
         self.cfg = cfg
+        self.frozen = frozen  # a reference model: forward_logprobs only (no optimizer, no gradients, eval mode)
         self.device = torch.device(cfg.device)
         self.version = 0
         self.model: PreTrainedModel | None = None
@@ -139,7 +146,10 @@ class SingleDeviceTrainer:
         if self.device.type == "cpu":
             fuse_modules(self.model)  # RMSNorm and SwiGLU in one C pass each (fused.py)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
+        if self.frozen:
+            freeze(self.model)
+        else:
+            self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), self.cfg)
 
     def _require_init(self) -> PreTrainedModel:
         if self.model is None:
@@ -158,8 +168,13 @@ class SingleDeviceTrainer:
             model.train(was_training)
         return lp.cpu()
 
+    def _require_trainable(self) -> PreTrainedModel:
+        if self.frozen:
+            raise RuntimeError("a frozen (reference) model does not train")
+        return self._require_init()
+
     def backward(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        model = self._require_init()
+        model = self._require_trainable()
         model.train()  # gradient checkpointing only acts in training mode (RL models should have no dropout)
         need_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         with autocast(self.cfg, self.device):
@@ -170,7 +185,7 @@ class SingleDeviceTrainer:
         return stats
 
     def optimizer_step(self) -> dict[str, float]:
-        model = self._require_init()
+        model = self._require_trainable()
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # sharded (FSDP2)

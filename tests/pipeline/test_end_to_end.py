@@ -176,18 +176,22 @@ def test_killing_a_role_or_ctrl_c_stops_everything(tiny_model_dir, tmp_path, how
         assert not _alive(pid), f"{name} (pid {pid}) outlived the launcher"
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks):
+@pytest.mark.parametrize("ranks,algo", [(1, []), (2, []), (2, ["algo.loss=decoupled_ppo", "algo.kl_coef=0.05"])],
+                         ids=["1-rank", "2-ranks", "2-ranks-decoupled_ppo-kl"])
+def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks, algo):
     """The FSDP2 launch path a multi-GPU user takes (trainer.num_processes ranks, rank 0 pushes), here on gloo. At
-    world 1 too: FSDP2 gathers the pushed weights with collectives, which must not overlap a step's own."""
+    world 1 too: FSDP2 gathers the pushed weights with collectives, which must not overlap a step's own. With
+    decoupled PPO and the KL term: pi_prox from the policy, the reference sharded on every rank."""
     res = run_train(overrides(tiny_model_dir, tmp_path, "fsdp", "trainer.backend=fsdp2",
                               f"trainer.num_processes={ranks}", "pipeline.max_steps=5", "actor.eval_every=0",
-                              "actor.max_new_tokens=48", "algo.entropy_coef=1e-6"))
+                              "actor.max_new_tokens=48", "algo.entropy_coef=1e-6", *algo))
     assert res.returncode == 0, res.stderr[-3000:]
     steps = records(tmp_path / "fsdp", "train_step")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["samples"] == 8 for r in steps)
     # step 1 trains on data of the starting weights: the trainer's logprobs (every rank's share) equal the servers'
     assert steps[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and steps[0]["ratio_max"] < 1.01
+    if algo:  # the reference is the starting weights: no KL at step 1, some once the policy has moved
+        assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[-1]["kl"] > 0
     assert [r["step"] for r in records(tmp_path / "fsdp", "weight_push")] == [1, 2, 3, 4, 5]
     for k in (0, 1):
         assert [r["weight_version"] for r in records(tmp_path / "fsdp", "server_metrics") if r["server"] == k][-1] == 5

@@ -1,7 +1,8 @@
 """The trainer loop over N FSDP2 ranks. Rank 0 alone talks to the stream and the servers: it takes the step's
 groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
 over the trainer's gloo group (cpu_group); all ranks then run the collective forward/backward (StepAccumulator keeps their
-micro-batch counts equal), the optimizer step, and the weight gather (once per push, on every rank) whose result rank 0
+micro-batch counts equal; decoupled PPO's pi_prox and the KL reference's logprobs are collective forwards before
+each backward), the optimizer step, and the weight gather (once per push, on every rank) whose result rank 0
 sends to the servers, with the single trainer's retries (a restarted server rejoins the weight group)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from inflight.config import RunConfig
 from inflight.contracts import Group
 from inflight.trainer.loop.checkpoint import CheckpointState
 from inflight.trainer.loop.completions import completion_stats
-from inflight.trainer.loop.trainer_loop import StopTraining, TrainerLoop, version_mix
+from inflight.trainer.loop.trainer_loop import StopTraining, TrainerLoop, needs_prox, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
 from inflight.trainer.packing import count_loss_tokens
@@ -62,11 +63,11 @@ def reduce_loss_stats(stats: dict[str, float], group: Any) -> dict[str, float]:
 
 class DistributedTrainerLoop(TrainerLoop):
     def __init__(self, cfg: RunConfig, policy: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path, *,
-                 rank: int, world_size: int, resume: CheckpointState | None = None):
-        super().__init__(cfg, policy, stream, sync_client, log, run_dir, resume=resume)
+                 rank: int, world_size: int, ref_policy: Any = None, resume: CheckpointState | None = None):
+        """`ref_policy`: the KL term's frozen reference (factory.make_reference), sharded over the same ranks; every
+        rank passes its own."""
+        super().__init__(cfg, policy, stream, sync_client, log, run_dir, ref_policy=ref_policy, resume=resume)
         self.rank, self.world = rank, world_size
-        if self.cfg.algo.loss == "decoupled_ppo" or self.ref_policy is not None:
-            raise ValueError("trainer.backend=fsdp2 does not support decoupled_ppo or kl_coef > 0 yet")
 
     def _collect(self) -> tuple[list, float, bool]:
         """Rank 0: the step's groups in start order, time spent waiting, and whether the run must stop."""
@@ -99,7 +100,8 @@ class DistributedTrainerLoop(TrainerLoop):
         mine = everything[self.rank::self.world]
         n_seq = sum(len(g) for g in everything)
         acc = StepAccumulator(self.policy, self.loss_fn, self.cfg.trainer.micro_batch_tokens, n_seq, None,
-                              temperature=self.cfg.actor.temperature, merge=merge_stats)
+                              temperature=self.cfg.actor.temperature, merge=merge_stats, prox=needs_prox(self.cfg),
+                              ref=self.ref_policy)
         advs = adv_mod.compute_advantages([[s.reward for s in g] for g in mine], self.cfg.algo) if mine else []
         # algo.truncated=mask: truncated samples count in their group's baseline and in n_seq, never in the loss
         kept = [(s, a) for g, adv in zip(mine, advs, strict=True) for s, a in zip(g, adv, strict=True)

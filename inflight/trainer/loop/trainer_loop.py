@@ -88,6 +88,11 @@ def version_mix(samples: list[Sample]) -> dict[str, Any]:
             "start_versions": {str(v): starts.count(v) for v in sorted(set(starts))}}
 
 
+def needs_prox(cfg: RunConfig) -> bool:
+    """Whether the loss takes pi_prox (the trainer's logprobs with the weights before this optimizer step)."""
+    return cfg.algo.loss == "decoupled_ppo"
+
+
 def adapter_of(policy: Any) -> dict[str, Any]:
     """The push's `adapter` keyword for a policy that trains a LoRA adapter (trainer.lora), else nothing (the
     native stock-server clients take no such keyword; with trainer.lora, trainer.protocol=vllm is the adapter client
@@ -198,7 +203,7 @@ class TrainerLoop:
         a = [data.advantages[i] for i in idx]
         batch = collate(s, a, n_seq, n_tok, temperature=self.cfg.actor.temperature, trained=trained)
         data.forward_tokens += forward_tokens(s, getattr(self.policy, "share_prompts", False))
-        if self.cfg.algo.loss == "decoupled_ppo":  # pi_prox: weights before this step (unchanged until the step)
+        if needs_prox(self.cfg):  # pi_prox: weights before this step (unchanged until the step)
             batch.prox_logprobs = self.policy.forward_logprobs(batch)
         if self.ref_policy is not None and self.cfg.algo.kl_coef > 0:  # the KL term of the loss
             batch.ref_logprobs = self.ref_policy.forward_logprobs(batch)

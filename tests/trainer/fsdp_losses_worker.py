@@ -1,0 +1,127 @@
+"""One rank of the every-loss FSDP2 test (a subprocess with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set).
+
+usage: python fsdp_losses_worker.py POLICY_DIR REF_DIR GROUPS_FILE RUN_DIR OUT_FILE
+For each of configs(): a fresh FSDP2 policy from POLICY_DIR takes one optimizer step through the pipeline's own
+DistributedTrainerLoop.step (rank 0 reads the groups of GROUPS_FILE from a MemoryStream and sends every rank its
+share), with the KL term's reference from REF_DIR built once by make_reference (sharded like the policy). Rank 0
+saves every config's step record and weights after the step with torch.save.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import msgpack
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from inflight.algo.losses import LOSSES  # noqa: E402
+from inflight.config import RunConfig  # noqa: E402
+from inflight.config.trainer import LoraConfig, TrainerConfig  # noqa: E402
+from inflight.streams.memory import MemoryStream  # noqa: E402
+from inflight.streams.serialize import decode_group  # noqa: E402
+from inflight.trainer.factory import make_reference, make_trainer  # noqa: E402
+from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
+
+G, GPS = 4, 4  # 4 groups: 2 per rank
+KL = 0.05
+LORA = dict(rank=4, alpha=8.0)
+
+
+def configs() -> list[dict]:
+    """Every loss of LOSSES without and with the KL term; then the entropy bonus with decoupled PPO and KL, and
+    token normalisation (the step's token count summed over the ranks); then KL on a LoRA policy (the reference is
+    the base alone, as on the single trainer)."""
+    out: list[dict] = [dict(loss=name, kl_coef=kl) for name in sorted(LOSSES) for kl in (0.0, KL)]
+    out.append(dict(loss="decoupled_ppo", kl_coef=KL, entropy_coef=0.01, normalization="tokens"))
+    out.append(dict(loss="grpo", kl_coef=KL, lora=True))
+    return out
+
+
+def run_config(algo: dict, backend: str) -> RunConfig:
+    """One optimizer step in sync mode (no push within it) over the GPS groups of the stream."""
+    cfg = RunConfig()
+    cfg.actor.group_size, cfg.actor.groups_per_step = G, GPS
+    cfg.pipeline.mode, cfg.pipeline.num_grad_steps, cfg.pipeline.max_steps = "sync", 1000, 1
+    cfg.trainer = TrainerConfig(backend=backend, threads=1, lr=1e-3, max_grad_norm=1e9, micro_batch_tokens=40,
+                                lora=LoraConfig(**LORA) if algo.get("lora") else None)
+    cfg.algo.is_cap = cfg.algo.behaviour_cap = cfg.algo.aipo_rho = 1.5  # caps that act on some tokens (ratios to 2)
+    for k, v in algo.items():
+        if k != "lora":
+            setattr(cfg.algo, k, v)
+    return cfg
+
+
+def use_float64() -> None:
+    """FSDP2 trainers built after this hold float64 weights (the single side calls model.double()). In float32 the
+    two sum the same gradients in another order (5e-7 of the largest gradient apart), and Adam's first step,
+    lr * g / (|g| + eps), magnifies that wherever |g| is near eps (5.5e-5 on one weight at lr 1e-3); float64 leaves
+    only what the two implementations do differently."""
+    from inflight.trainer import fsdp
+
+    real_load, real_meta = fsdp.load_model, fsdp.FSDP2Trainer._meta_model
+    fsdp.load_model = lambda *a, **k: real_load(*a, **k).double()  # rank 0's source of the values
+    fsdp.FSDP2Trainer._meta_model = lambda self: real_meta(self).double()  # the shards' dtype  # type: ignore
+
+
+def capture_grads(policy) -> dict:
+    """Have policy.optimizer_step first keep a copy of every gradient, whole (gathered on every rank: collective),
+    under the parameter's name, in the dict returned."""
+    from inflight.trainer.weight_sync.gather import gathered
+
+    grads: dict = {}
+    real = policy.optimizer_step
+
+    def step():
+        grads.update({n: gathered(p.grad).clone() for n, p in policy.model.named_parameters() if p.grad is not None})
+        return real()
+
+    policy.optimizer_step = step
+    return grads
+
+
+def read_groups(path: str) -> list:
+    return [decode_group(b) for b in msgpack.unpackb(Path(path).read_bytes())]
+
+
+def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str) -> None:
+    from inflight.report.metrics import MetricsLogger
+    from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
+
+    default_group_refuses_cpu_tensors()  # as NCCL would on CUDA: CPU collectives must take the trainer's cpu_group
+    use_float64()
+    ref = None
+    results = []
+    for i, algo in enumerate(configs()):
+        cfg = run_config(algo, "fsdp2")
+        policy = make_trainer(policy_dir, cfg.trainer)
+        torch.manual_seed(0)  # the adapter's A (rank 0 draws it, as the single-process side does)
+        policy.init()
+        if ref is None:  # collective, once: every rank builds its shard of the reference
+            ref = make_reference(ref_dir, cfg.trainer)
+            assert not any(p.requires_grad for p in ref.model.parameters()) and not ref.model.training
+            assert not hasattr(ref, "optimizer")
+            assert all(hasattr(p, "full_tensor") for p in ref.model.parameters())  # sharded, as the policy
+        assert all(p.dtype == torch.float64 for p in policy.model.parameters())
+        rank, world = policy.rank, policy.world_size
+        stream, log = (MemoryStream(), MetricsLogger(Path(run_dir) / str(i), "trainer")) if rank == 0 else (None, None)
+        if stream is not None:
+            stream.put(read_groups(groups_file))
+        loop = DistributedTrainerLoop(cfg, policy, stream, None, log, run_dir, rank=rank, world_size=world,
+                                      ref_policy=ref if cfg.algo.kl_coef > 0 else None)
+        grads = capture_grads(policy)
+        record = loop.step()
+        weights = {n: w.clone() for n, w in policy.named_weights()}  # collective
+        if rank == 0:
+            results.append({"algo": algo, "record": {k: v for k, v in record.items() if isinstance(v, float)},
+                            "weights": weights, "grads": grads})
+            log.close()
+        del loop, policy
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])
