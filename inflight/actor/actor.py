@@ -10,7 +10,14 @@ with `trainer_version` read from the stream (published by the trainer, -1 before
 completed groups into the stream, oldest first. A group that fails (all retries spent) is logged, counted in
 `groups_failed`, and its slot is given back so that a fresh prompt replaces it: the trainer never waits for a group
 that will not come. `max_failed_in_a_row` groups failing one after another (a broken rollout function or server,
-not a passing fault) stop the actor with the last error.
+not a passing fault) stop the actor with the last error. With `dynamic_sampling`, a group whose rewards are all
+equal is dropped the same way (its slot given back, a fresh prompt started) but still delivered, marked, so the
+trainer need not wait for it (algo/dynamic_sampling.py).
+
+A group's requests carry the oldest weight version its tokens may have: that of its slot, the number of live groups
+started before it (the step it is trained in is at most slot // groups_per_step, earlier when groups before it
+were given up), so its tokens are never older than the bound allows, and it is never held for weights the trainer
+can only make after training it.
 
 Resume (`first_group`, `groups_given_up`, `min_version` from a trainer checkpoint): group k always gets the k-th
 prompt of the task's training order, so the actor skips the first `first_group` prompts and numbers its groups
@@ -30,6 +37,7 @@ from typing import Any, Callable, Protocol
 from inflight.actor.evaluate import evaluate
 from inflight.actor.rollout import RolloutClient, RolloutFn, default_rollout
 from inflight.actor.server_pool import ServerPool
+from inflight.algo.dynamic_sampling import DROP, Refill, model_tokens
 from inflight.config.actor import ActorConfig
 from inflight.config.limits import Staleness, actor_staleness
 from inflight.contracts import Group, Stream, Task, TaskSample, Verification
@@ -55,6 +63,9 @@ class ActorMetrics:
     groups_completed: int = 0  # scored and handed to the stream
     groups_failed: int = 0  # could not complete (reported in Actor.failures)
     groups_cancelled: int = 0  # still running when a stop event came
+    groups_dropped: int = 0  # dynamic sampling: rewards all equal, delivered marked, slot given back
+    groups_capped: int = 0  # dynamic sampling: rewards all equal on a place's last try, kept
+    tokens_dropped: int = 0  # the model's tokens in dropped groups
     samples_completed: int = 0
     tokens_generated: int = 0
     max_in_flight: int = 0
@@ -79,6 +90,9 @@ class ActorMetrics:
             "actor/groups_completed": self.groups_completed,
             "actor/groups_failed": self.groups_failed,
             "actor/groups_cancelled": self.groups_cancelled,
+            "actor/groups_dropped": self.groups_dropped,
+            "actor/groups_capped": self.groups_capped,
+            "actor/tokens_dropped": self.tokens_dropped,
             "actor/groups_in_flight": self.in_flight,
             "actor/max_groups_in_flight": self.max_in_flight,
             "actor/samples": self.samples_completed,
@@ -134,6 +148,7 @@ class Actor:
         self._wake: asyncio.Event | None = None
         self._seen_version = -1
         self._failed_in_a_row = 0
+        self.refill = Refill(cfg.dynamic_sampling_max_tries) if cfg.dynamic_sampling else None
         # in-run evaluations so far: picks the rotating subset's window (a resumed run continues near where it was)
         self._eval_round = max(0, min_version) // cfg.eval_every if cfg.eval_every > 0 else 0
 
@@ -144,13 +159,14 @@ class Actor:
 
     @property
     def live_groups(self) -> int:
-        """Groups started that are (or will be) delivered: the count the staleness bound applies to."""
-        return self.metrics.groups_started - self.metrics.groups_failed
+        """Groups started that are (or will be) trained: the count the staleness bound applies to (failed and
+        dropped groups gave their slots back)."""
+        return self.metrics.groups_started - self.metrics.groups_failed - self.metrics.groups_dropped
 
-    async def _run_group(self, index: int, ts: TaskSample, start_version: int) -> None:
+    async def _run_group(self, index: int, ts: TaskSample, start_version: int, slot: int, tries: int = 1) -> None:
         try:
             # with `served`, the group runs under the adapter of the version published when it started (exact)
-            client = self.client.for_group(self.oldest_version(index), version=start_version)
+            client = self.client.for_group(self.oldest_version(slot), version=start_version)
             samples = await self.rollout(ts, client, self.cfg)
             if not samples:
                 raise RuntimeError("the rollout returned no samples")
@@ -166,10 +182,17 @@ class Actor:
             for s in samples:
                 s.group_id = f"g{index}"
                 s.meta.update(group_index=index, start_version=start_version)
+            if self.refill is not None and self.refill.judge(samples, tries) == DROP:
+                self.metrics.groups_dropped += 1  # its slot is free now: the loop starts a fresh prompt
+                self.metrics.tokens_dropped += model_tokens(samples)
+            elif self.refill is not None:
+                self.metrics.groups_capped = self.refill.capped
             self._done.append((index, samples))
             self._failed_in_a_row = 0
         except Exception as exc:  # reported and counted, never silently dropped
             self.metrics.groups_failed += 1
+            if self.refill is not None:
+                self.refill.failed(tries)
             self._failed_in_a_row += 1
             self.failures.append({"group_index": index, "task_id": ts.id, "error": f"{type(exc).__name__}: {exc}"})
             log.error("group %d (prompt %s) failed: %s: %s", index, ts.id, type(exc).__name__, exc)
@@ -177,17 +200,18 @@ class Actor:
             if self._wake is not None:
                 self._wake.set()
 
-    def oldest_version(self, index: int) -> int:
-        """The oldest weights group `index` may be sampled from: it is trained on weights index // groups_per_step,
-        so its tokens must be at most max_lag versions older (0 = any)."""
-        return self.staleness.request_min_version(index)
+    def oldest_version(self, slot: int) -> int:
+        """The oldest weights the group started in live slot `slot` may be sampled from: it is trained on weights
+        slot // groups_per_step at the latest, so its tokens must be at most max_lag versions older (0 = any)."""
+        return self.staleness.request_min_version(slot)
 
     def _start_group(self, trainer_version: int) -> asyncio.Task:
-        index = self.metrics.groups_started
+        index, slot = self.metrics.groups_started, self.live_groups
+        tries = self.refill.next_try() if self.refill is not None else 1
         self.metrics.groups_started += 1
         self.metrics.max_in_flight = max(self.metrics.max_in_flight, self.metrics.in_flight)
         self.start_log.append((index, trainer_version))
-        t = asyncio.create_task(self._run_group(index, next(self.prompts), trainer_version))
+        t = asyncio.create_task(self._run_group(index, next(self.prompts), trainer_version, slot, tries))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
@@ -279,13 +303,13 @@ class Actor:
     async def generate_round(self, num_groups: int, put: bool = True) -> list[Group]:
         """Sync mode: generate exactly `num_groups` groups now (no staleness bound: the caller holds the weights
         fixed), wait for all of them, put them in the stream (if `put`) and return them in start order. Failed
-        groups are replaced by fresh prompts, up to `num_groups` replacements, then RuntimeError."""
+        groups are replaced by fresh prompts, up to `num_groups` replacements, then RuntimeError; with dynamic
+        sampling, dropped ones too (returned and delivered as well, marked), until `num_groups` are kept."""
         self._wake = asyncio.Event()
-        first, tv, attempts = self.metrics.groups_started, self.stream.trainer_version(), 0
-        while (todo := num_groups - sum(1 for i, _ in self._done if i >= first)) > 0:
-            if attempts >= 2 * num_groups:
+        first, tv, failed = self.metrics.groups_started, self.stream.trainer_version(), self.metrics.groups_failed
+        while (todo := num_groups - sum(1 for i, g in self._done if i >= first and not g[0].meta.get("dropped"))) > 0:
+            if self.metrics.groups_failed - failed > num_groups:
                 raise RuntimeError(f"generate_round: {self.metrics.groups_failed} groups failed; see actor.failures")
-            attempts += todo
             await asyncio.gather(*(self._start_group(tv) for _ in range(todo)))
         mine = sorted((d for d in self._done if d[0] >= first), key=lambda d: d[0])
         self._done = [d for d in self._done if d[0] < first]

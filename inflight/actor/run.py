@@ -85,7 +85,7 @@ async def open_actor(
     *,
     rollout: RolloutFn = default_rollout,
     rewards: Any = None,  # a ready reward service; None = build one from the config (and close it after)
-    resume: dict[str, Any] | None = None,  # {"next_group", "skipped", "version"} of a trainer checkpoint
+    resume: dict[str, Any] | None = None,  # {"next_group", "skipped", "dropped", "version"} of a trainer checkpoint
 ) -> AsyncIterator[Actor]:
     a = run_cfg.actor
     task = get_task(run_cfg.task)
@@ -107,7 +107,7 @@ async def open_actor(
             rollout = await asyncio.to_thread(env_rollout, run_cfg, task)
         yield Actor(a, task, pool, rewards, stream, rollout=rollout, seed=run_cfg.seed,
                     max_groups=max_groups, max_seconds=max_seconds, metrics_sink=metrics_sink,
-                    first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])),
+                    first_group=int(r.get("next_group", 0)), groups_given_up=len(r.get("skipped", [])) + int(r.get("dropped", 0)),
                     min_version=int(r.get("version", -1)), served=served_names(run_cfg),
                     staleness=staleness(run_cfg))
     finally:

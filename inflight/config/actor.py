@@ -38,10 +38,20 @@ class ActorConfig:
     reward_workers: int = 2
     metrics_interval_s: float = 2.0  # how often the actor reports its metrics
     max_failed_in_a_row: int = 50  # this many groups failing one after another stop the actor (0 = never)
+    # DAPO's dynamic sampling (algo/dynamic_sampling.py); queue_ahead is then 0 (a refill moves later groups into
+    # earlier steps, so none may wait at a server for a later version)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and start fresh prompts in their place, so every step trains groups_per_step groups with a signal; use it when many groups are all right or all wrong (steps shrink without it)
+    dynamic_sampling_max_tries: int = 10  # dynamic sampling: tries per place in a step; the last try's group is trained even if its rewards are all equal (logged as capped), so a solved task never stalls the run (0 = no limit)
 
     def __post_init__(self) -> None:
         if self.eval_subset < 0:
             raise ValueError(f"actor.eval_subset must be >= 0 (0 = the whole held-out split), not {self.eval_subset}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("actor.dynamic_sampling needs actor.group_size >= 2 (a group of one always has equal "
+                             "rewards)")
+        if self.dynamic_sampling_max_tries < 0:
+            raise ValueError("actor.dynamic_sampling_max_tries must be >= 0 (0 = no limit), "
+                             f"not {self.dynamic_sampling_max_tries}")
 
     @property
     def gated(self) -> bool:

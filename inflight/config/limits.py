@@ -74,8 +74,11 @@ class Staleness:
 
 def actor_staleness(actor: ActorConfig, mode: str = "pipelined", num_grad_steps: int = 1) -> Staleness:
     """The bound from the actor's settings and the pipeline's mode (the actor alone: pipelined)."""
+    # dynamic sampling: a dropped group moves the groups started after it into earlier steps, so one held for a
+    # later version could be needed before the servers have it (a deadlock): nothing is queued ahead then
+    ahead = 0 if actor.dynamic_sampling else actor.queue_ahead
     return Staleness(max_lag=effective_max_lag(actor.max_lag, mode, num_grad_steps),
-                     groups_per_step=actor.groups_per_step, gated=actor.gated, queue_ahead=actor.queue_ahead)
+                     groups_per_step=actor.groups_per_step, gated=actor.gated, queue_ahead=ahead)
 
 
 def staleness(run_cfg: RunConfig) -> Staleness:

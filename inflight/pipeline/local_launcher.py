@@ -40,7 +40,8 @@ def run_pipeline_local(cfg: RunConfig, resume: bool = False) -> int:
     log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode,
             resumed_from=str(resume_from) if resume_from else None,
             resumed_step=state.step if state else None)
-    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
+    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups,
+                     "dropped": state.dropped_groups, "version": state.version}
                     if state else None)
     procs = ProcessGroup(run_dir / "logs")
     urls = server_urls(cfg)

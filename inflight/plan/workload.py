@@ -101,7 +101,8 @@ def from_run_config(cfg: RunConfig, lengths: Lengths, **over: Any) -> SimConfig:
     kw: dict[str, Any] = dict(
         mode=p.mode, update_mode=p.update_mode, num_grad_steps=p.num_grad_steps, servers=s.num_servers,
         max_batch=s.max_batch, group_size=a.group_size, groups_per_step=a.groups_per_step, max_lag=a.max_lag,
-        gated=a.gated, queue_ahead=a.queue_ahead, concurrency_per_server=a.concurrency_per_server,
+        gated=a.gated, queue_ahead=0 if a.dynamic_sampling else a.queue_ahead,  # config/limits.py
+        concurrency_per_server=a.concurrency_per_server,
         lengths=lengths, trainer_devices=max(1, cfg.trainer.num_processes), seed=cfg.seed)
     kw.update(over)
     return SimConfig(**kw)

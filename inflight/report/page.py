@@ -24,7 +24,8 @@ from inflight.actor.eval_subset import binomial_stderr, whole_split_series
 from inflight.report.metrics import read_metrics
 from inflight.report.replies import replies_html
 
-PLOTS = ("accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer", "lr")
+PLOTS = ("accuracy", "reward", "lengths", "lag_hist", "server_throughput", "pause", "trainer", "lr",
+         "dynamic_sampling")
 RAW_ALPHA = 0.25  # the raw points behind a smoothed line, and each rotating window's score behind the whole split
 
 
@@ -220,7 +221,23 @@ def summary(run: Run) -> dict[str, Any]:
         "completion_len_last": late_mean(steps, "completion_len_mean"),
         "truncated_pct_last": None if (t := late_mean(steps, "truncated_frac")) is None else 100.0 * t,
         "warnings": len(run.events("warning")),
+        **_refill_summary(steps),
     }
+
+
+def _refill_summary(steps: list[dict]) -> dict[str, Any]:
+    """Dynamic sampling over the run (actor.dynamic_sampling): the share of generated groups dropped, groups
+    generated per group trained, and the share of generated tokens spent on dropped groups."""
+    ds = [r for r in steps if "groups_dropped" in r]
+    if not ds:
+        return {}
+    dropped, generated = sum(r["groups_dropped"] for r in ds), sum(r["groups_generated"] for r in ds)
+    tokens = sum(r["tokens_dropped"] for r in ds)
+    trained_tokens = sum(r.get("completion_tokens", 0) for r in ds)
+    return {"dropped_pct": 100.0 * dropped / max(1, generated),
+            "generated_per_trained": generated / max(1, generated - dropped),
+            "tokens_dropped_pct": 100.0 * tokens / max(1, tokens + trained_tokens),
+            "capped_groups": sum(r.get("groups_capped", 0) for r in ds)}
 
 
 def _plot(name: str, runs: list[Run], out: Path) -> Path:
@@ -313,6 +330,18 @@ def figure(name: str, runs: list[Run]) -> Any:
             axes[0].set(xlabel="wall time (s)", ylabel="trainer tokens/s (training time only)")
             smooth_line(axes[1], *run.series("train_step", "wait_s"), run.name, c)
             axes[1].set(xlabel="wall time (s)", ylabel="trainer time waiting for data per step (s)")
+        elif name == "dynamic_sampling":  # actor.dynamic_sampling: what the refill dropped and what it cost
+            x, frac = run.series("train_step", "dropped_frac", x="step")
+            smooth_line(axes[0], x, [100 * v for v in frac], f"{run.name} groups", c)
+            xt, tfrac = run.series("train_step", "tokens_dropped_frac", x="step")
+            smooth_line(axes[0], xt, [100 * v for v in tfrac], f"{run.name} tokens", c, ls="--")
+            axes[0].set(xlabel="trainer step", ylabel="share generated then dropped (%)", ylim=(-3, 103))
+            xg, gen = run.series("train_step", "groups_generated", x="step")
+            smooth_line(axes[1], xg, gen, f"{run.name} generated", c)
+            xc, capped = run.series("train_step", "groups_capped", x="step")
+            if any(capped):
+                axes[1].plot(xc, capped, color=c, lw=0.8, ls=":", label=f"{run.name} capped (all equal, kept)")
+            axes[1].set(xlabel="trainer step", ylabel="groups per optimizer step")
         elif name == "lr":  # the schedule as the optimizer applied it, and the gradient norm before clipping
             x, lr = run.series("train_step", "lr", x="step")
             axes[0].plot(x, lr, color=c, lw=1.8, label=run.name)
@@ -333,9 +362,12 @@ def figure(name: str, runs: list[Run]) -> Any:
 
 
 def plots_for(runs: list[Run]) -> list[str]:
-    """The report's plots: all of PLOTS, the learning rate's only when a run logged it (train_step's `lr`)."""
-    has_lr = any(r.get("lr") is not None for run in runs for r in run.events("train_step"))
-    return [p for p in PLOTS if p != "lr" or has_lr]
+    """The report's plots: all of PLOTS, the learning rate's only when a run logged it (train_step's `lr`), dynamic
+    sampling's only when a run used it (train_step's `groups_dropped`)."""
+    steps = [r for run in runs for r in run.events("train_step")]
+    logged = {"lr": any(r.get("lr") is not None for r in steps),
+              "dynamic_sampling": any("groups_dropped" in r for r in steps)}
+    return [p for p in PLOTS if logged.get(p, True)]
 
 
 TITLES = {
@@ -347,12 +379,17 @@ TITLES = {
     "pause": "Time paused per weight update",
     "trainer": "Trainer tokens/s and time waiting for data",
     "lr": "Learning-rate schedule and gradient norm per trainer step",
+    "dynamic_sampling": "Dynamic sampling: groups dropped (rewards all equal) and groups generated per step",
 }
 SMOOTHED = "Lines: exponential moving average (debiased, as TensorBoard and W&B smooth); faint: the raw values."
 NOTES = {  # a line under a plot's title; SMOOTHED for the others
     "accuracy": "The line is the accuracy on the whole held-out split: a full evaluation as it is, or the mean of the "
                 "last full rotation of evaluation windows (each window scores a slice of the split; their own scores "
                 "are the faint points and swing by their sampling noise). The band is ± one standard error.",
+    "dynamic_sampling": "Left: the share of the groups generated for each step that were dropped (all rewards equal), "
+                        "and of their tokens. Right: groups generated per optimizer step (groups_per_step trained "
+                        "+ dropped), and groups kept at the try cap (actor.dynamic_sampling_max_tries). "
+                        + SMOOTHED,
     "lr": "Left: the learning rate each optimizer step applied (trainer.schedule). Right: " + SMOOTHED[0].lower()
           + SMOOTHED[1:],
 }
@@ -364,11 +401,11 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     rows = [summary(r) for r in runs]
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(c for row in rows for c in row))  # a run without dynamic sampling lacks its columns
     table = "<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>"
     for row in rows:
         cells = "".join(f"<td>{html.escape(str(round(v, 1) if isinstance(v, float) else v))}</td>"
-                        for v in row.values())
+                        for v in (row.get(c, "") for c in cols))
         table += f"<tr>{cells}</tr>"
     body = [f"<h1>inflight report: {html.escape(', '.join(r.name for r in runs))}</h1>", f"<table>{table}</table>"]
     if importlib.util.find_spec("matplotlib") is None:  # a machine without it still gets the tables

@@ -140,7 +140,8 @@ def run_pipeline_ray(cfg: RunConfig, resume: bool = False) -> int:
     log = MetricsLogger(run_dir, "launcher")
     log.log("run_start", mode=cfg.pipeline.mode, update_mode=cfg.pipeline.update_mode, launcher="ray",
             resumed_from=str(resume_from) if resume_from else None, resumed_step=state.step if state else None)
-    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups, "version": state.version}
+    actor_resume = ({"next_group": state.next_group, "skipped": state.skipped_groups,
+                     "dropped": state.dropped_groups, "version": state.version}
                     if state else None)
     stream = make_stream(cfg.pipeline, name=cfg.name, capacity=staleness(cfg).stream_capacity)
     assert isinstance(stream, RedisStream)  # check_ray_config: pipeline.stream=redis

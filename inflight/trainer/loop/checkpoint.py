@@ -15,7 +15,8 @@ state.json count. The last `keep` step checkpoints are kept (plus "final", writt
 
 Positions. The actor gives group k the k-th prompt of the task's training order, so one number is both the
 data-loader position and the stream position: `next_group`, the start index of the first group not yet trained.
-Groups with a lower index were trained (or given up by the actor: `skipped_groups`); groups from `next_group` on
+Groups with a lower index were trained (or given up by the actor: `skipped_groups`, or dropped by dynamic
+sampling: `dropped_groups`, a count); groups from `next_group` on
 (in flight, buffered, or in the stream at the crash) were never trained and are generated again after a resume,
 from the same prompts, with the resumed weights.
 """
@@ -48,6 +49,7 @@ class CheckpointState:
     samples_trained: int
     next_group: int  # stream / prompt position: the first group index not trained
     skipped_groups: list[int] = field(default_factory=list)  # indices < next_group the actor gave up on
+    dropped_groups: int = 0  # indices < next_group dropped by dynamic sampling (rewards all equal)
     server_version: int = 0  # version published to the actor (sync mode may lag the trainer)
     elapsed_s: float = 0.0  # training time before this checkpoint (max_minutes counts across resumes)
     groups_per_step: int = 0
@@ -57,7 +59,7 @@ class CheckpointState:
 
     @property
     def groups_trained(self) -> int:
-        return self.next_group - len(self.skipped_groups)
+        return self.next_group - len(self.skipped_groups) - self.dropped_groups
 
 
 def rng_state() -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
+from inflight.algo.dynamic_sampling import refill_stats
 from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, merge_stats
 from inflight.algo.truncation import trains
 from inflight.config import RunConfig
@@ -139,6 +140,8 @@ class DistributedTrainerLoop(TrainerLoop):
             "published_version": self.published_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
+        if self.cfg.actor.dynamic_sampling:
+            record.update(refill_stats(self.order.pop_passed(), samples, self.cfg.actor.groups_per_step))
         self.log.log("train_step", step=version, **record)
         self.warn_truncation(version, record["truncated_frac"])
         return record

@@ -6,7 +6,9 @@ weights to every server -> version published on the stream. One loop for both mo
   the conventional loop, a round's first step waits until every group of the round has been generated: no training
   overlaps that round's generation.
 
-Exactly `groups_per_step` groups make one optimizer step, oldest first (the stream is ordered). Micro-batches are
+Exactly `groups_per_step` groups make one optimizer step, oldest first (the stream is ordered); with
+`actor.dynamic_sampling` the groups the actor dropped (rewards all equal) are passed over and logged, not counted
+(algo/dynamic_sampling.py), so the step holds groups_per_step groups with a learning signal. Micro-batches are
 packed and back-propagated while the step's groups are still arriving, except for token normalisation, which needs
 the step's token count first.
 
@@ -45,6 +47,7 @@ from typing import Any
 from inflight.config.limits import pipeline_limits, staleness
 from inflight.algo import advantages as adv_mod
 from inflight.algo import reinforce_pp
+from inflight.algo.dynamic_sampling import refill_stats
 from inflight.algo.losses import lag_stats, make_loss, merge_stats, normalization_of
 from inflight.algo.truncation import trains
 from inflight.config import RunConfig
@@ -142,6 +145,7 @@ class TrainerLoop:
         self.published_version = 0
         self.order = StartOrder(hole_timeout_s=cfg.actor.request_timeout_s * (cfg.actor.retries + 1))
         self._push: _Push | None = None  # the push in flight, if any
+        self._warned_capped = False  # dynamic sampling: a step trained groups kept at the try cap
         self.resumed = resume
         if resume is not None:  # continue the counters and the start order where the checkpoint left them
             self.samples_trained = resume.samples_trained
@@ -149,6 +153,7 @@ class TrainerLoop:
             self.order.next_index = resume.next_group
             self.order.skipped = list(resume.skipped_groups)
             self.order.taken = resume.groups_trained
+            self.order.dropped = resume.dropped_groups
 
     # -- limits -----------------------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -182,8 +187,8 @@ class TrainerLoop:
         if limit:  # the last round of a run that ends mid-round
             need = min(need, limit - self.order.taken)
         wait_s = 0.0
-        while len(self.order) < need:
-            wait_s += self.wait_for_groups(need - len(self.order))
+        while self.order.live < need:  # dropped groups (dynamic sampling) are not part of the round
+            wait_s += self.wait_for_groups(need - self.order.live)
         return wait_s
 
     def wait_for_groups(self, n: int) -> float:
@@ -340,6 +345,14 @@ class TrainerLoop:
         }
         if self.per_step_advantages:
             record["kl_reward"] = data.kl_reward
+        if self.cfg.actor.dynamic_sampling:
+            record.update(refill_stats(self.order.pop_passed(), data.samples, gps))
+            if record["groups_capped"] and not self._warned_capped:  # once: the records count every step's
+                self._warned_capped = True
+                self.log.log("warning", step=version, kind="dynamic_sampling_cap", message=(
+                    f"{record['groups_capped']} of {gps} groups still had equal rewards on their last try "
+                    f"(actor.dynamic_sampling_max_tries={self.cfg.actor.dynamic_sampling_max_tries}) and were "
+                    "trained with zero advantage; the task may be too easy or too hard for the model"))
         self.log.log("train_step", step=version, **record)
         self.warn_truncation(version, record["truncated_frac"])
         return record
@@ -443,6 +456,7 @@ class TrainerLoop:
         return CheckpointState(
             step=self.policy.version, version=self.policy.version, samples_trained=self.samples_trained,
             next_group=self.order.next_index, skipped_groups=list(self.order.skipped),
+            dropped_groups=self.order.dropped,
             server_version=self.published_version, elapsed_s=time.time() - self.started,
             groups_per_step=a.groups_per_step, group_size=a.group_size, seed=self.cfg.seed)
 
