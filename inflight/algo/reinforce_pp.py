@@ -8,19 +8,27 @@ Normalization", arXiv 2501.03262): per-token advantages, normalised across the w
     advantage   A_{i,t} = (G_{i,t} − mean G) / (std G + std_eps), mean and population std over every trained token
                 of the step (eq. 10), so a long answer weighs as many tokens as it has, as in OpenRLHF
 
-The trainer loop calls this once the step's samples are all in (trainer/loop/trainer_loop.py): the statistics need
-the whole step, the KL needs the reference model's logprobs of every trained token. Plain Python float64 (fsum).
+The trainer loops call this once the step's samples are all in (trainer/loop/step_advantages.py): the statistics
+need the whole step, the KL needs the reference model's logprobs of every trained token. Plain Python float64 (fsum).
+With FSDP2 each rank passes its own share and `total`, which sums a list of floats over the ranks: the step's
+statistics are then those of every rank's tokens (the single trainer leaves `total` out: it holds the whole step).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from inflight.config.algo import AlgoConfig
 
 STEP_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline")
 KL_ESTIMATORS = ("k1", "k2")
+
+Total = Callable[[list[float]], list[float]]  # element-wise sum of a list over the ranks
+
+
+def _one_rank(values: list[float]) -> list[float]:
+    return list(values)
 
 
 def base_rewards(rewards: Sequence[Sequence[float]], cfg: AlgoConfig) -> list[list[float]]:
@@ -41,11 +49,12 @@ def kl_estimate(mu: float, ref: float, estimator: str) -> float:
 
 
 def mean_kl(mu: Sequence[Sequence[float]], ref: Sequence[Sequence[float]], trained: Sequence[Sequence[bool]],
-            estimator: str) -> float:
+            estimator: str, total: Total = _one_rank) -> float:
     """The mean KL estimate per trained token of the step (a metric)."""
     kl = [kl_estimate(m, r, estimator) for mr, rr, tr in zip(mu, ref, trained, strict=True)
           for m, r, on in zip(mr, rr, tr, strict=True) if on]
-    return math.fsum(kl) / len(kl) if kl else 0.0
+    n, s = total([float(len(kl)), math.fsum(kl)])
+    return s / n if n else 0.0
 
 
 def returns(reward: float, mu: Sequence[float], ref: Sequence[float] | None, trained: Sequence[bool],
@@ -62,16 +71,22 @@ def returns(reward: float, mu: Sequence[float], ref: Sequence[float] | None, tra
 
 
 def step_advantages(rewards: Sequence[float], mu: Sequence[Sequence[float]], ref: Sequence[Sequence[float]] | None,
-                    trained: Sequence[Sequence[bool]], cfg: AlgoConfig) -> list[list[float]]:
-    """Per-token advantages of every sample of the step (one list per sample, one value per completion token)."""
+                    trained: Sequence[Sequence[bool]], cfg: AlgoConfig, total: Total = _one_rank) -> list[list[float]]:
+    """Per-token advantages of every sample of the step (one list per sample, one value per completion token); with
+    `total`, of this rank's share, normalised by the statistics of every rank's (a collective: every rank calls it,
+    with or without samples)."""
     if cfg.kl_reward_coef > 0 and ref is None:
         raise ValueError(f"algo.kl_reward_coef={cfg.kl_reward_coef} needs the reference model's logprobs")
     g = [returns(r, mu[i], None if ref is None else ref[i], trained[i], cfg) for i, r in enumerate(rewards)]
     flat = [x for row, m in zip(g, trained, strict=True) for x, on in zip(row, m, strict=True) if on]
-    if not flat:
+    # two passes (the mean first, then the squared deviations from it): the same formula on one rank or N, and no
+    # cancellation of sum(x²)/n − mean² when the returns are far from 0
+    n, s = total([float(len(flat)), math.fsum(flat)])
+    if not n:
         return [[0.0] * len(row) for row in g]
-    mean = math.fsum(flat) / len(flat)
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in flat) / len(flat))
+    mean = s / n
+    (sq,) = total([math.fsum((x - mean) ** 2 for x in flat)])
+    std = math.sqrt(sq / n)
     return [[(x - mean) / (std + cfg.std_eps) for x in row] for row in g]
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 
 from inflight import backends
-from inflight.algo.reinforce_pp import STEP_ADVANTAGES
 from inflight.config import RunConfig, save_config
 from inflight.config.engine import ServerConfig
 from inflight.config.limits import staleness
@@ -70,9 +69,6 @@ def check_ranks(cfg: RunConfig) -> None:
     t, gps = cfg.trainer, cfg.actor.groups_per_step
     if t.backend != "fsdp2":
         return
-    if cfg.algo.advantage in STEP_ADVANTAGES:
-        raise ValueError(f"algo.advantage={cfg.algo.advantage} runs on the single-device trainer only (not yet "
-                         f"with trainer.backend=fsdp2)")
     if t.num_processes < 1:
         raise ValueError(f"trainer.num_processes must be >= 1, got {t.num_processes}")
     if gps % t.num_processes:

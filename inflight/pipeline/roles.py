@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from inflight.actor import run_actor
-from inflight.algo.reinforce_pp import STEP_ADVANTAGES
 from inflight.backends import startup_timeout
 from inflight.config import RunConfig
 from inflight.pipeline.launch_common import wait_healthy
@@ -50,9 +49,6 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     # FSDP2 gathers weights with collectives, even at world 1: its pushes must not overlap the next step's
     # forward (TrainerLoop pushes on a thread meanwhile), so every FSDP2 run takes the distributed loop
     distributed = world > 1 or cfg.trainer.backend == "fsdp2"
-    if distributed and cfg.algo.advantage in STEP_ADVANTAGES:  # its step statistics are gathered by TrainerLoop
-        raise ValueError(f"algo.advantage={cfg.algo.advantage} runs on the single-device trainer only (not yet "
-                         f"with trainer.backend=fsdp2 or several ranks)")
     # the reference model (KL in the loss or in the return): the frozen starting weights (cfg.model.path, also on
     # resume; with LoRA the base alone), on the policy's backend: with fsdp2 every rank builds its shard (collective)
     needs_ref = cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0

@@ -60,7 +60,7 @@ class StepAccumulator:
         self.num_samples_in_step, self.num_tokens_in_step = num_samples_in_step, num_tokens_in_step
         self.with_versions, self.temperature, self.prox, self.ref = with_versions, temperature, prox, ref
         self.merge = merge or merge_stats  # e.g. inflight.algo.merge_stats for its loss stats
-        self.pending: list[tuple[Sample, float]] = []
+        self.pending: list[tuple[Sample, float | list[float]]] = []
         self.stats: list[dict[str, float]] = []
         self.world_size = int(getattr(engine, "world_size", 1))
         self.group = getattr(engine, "cpu_group", None)  # counts are CPU tensors: a gloo group (NCCL has none)
@@ -112,8 +112,9 @@ class StepAccumulator:
             if real:
                 self.stats.append(stats)
 
-    def add(self, samples: list[Sample], advantages: list[float]) -> None:
-        """Buffer these samples; run backward on every micro-batch that is full."""
+    def add(self, samples: list[Sample], advantages: list[float] | list[list[float]]) -> None:
+        """Buffer these samples; run backward on every micro-batch that is full. An advantage: one for every
+        completion token of its sample, or a list of one per completion token (REINFORCE++)."""
         if len(samples) != len(advantages):
             raise ValueError(f"{len(samples)} samples but {len(advantages)} advantages")
         self.pending += list(zip(samples, advantages))

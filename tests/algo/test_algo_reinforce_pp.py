@@ -11,7 +11,7 @@ import random
 import pytest
 
 from inflight.algo import AlgoConfig
-from inflight.algo.reinforce_pp import base_rewards, step_advantages
+from inflight.algo.reinforce_pp import base_rewards, mean_kl, step_advantages
 
 
 def reference(groups, mu, ref, trained, beta, estimator, baseline, eps):
@@ -85,3 +85,46 @@ def test_a_step_without_signal_gives_zeros_and_the_kl_needs_the_reference():
         step_advantages([1.0], [[-1.0]], None, [[True]], AlgoConfig(advantage="reinforce_pp", kl_reward_coef=0.1))
     with pytest.raises(ValueError, match="non-finite"):
         base_rewards([[1.0, math.nan]], cfg)
+
+
+def test_shares_summed_over_ranks_give_the_whole_steps_advantages():
+    """FSDP2: each rank passes its share of the step with `total`, a sum over the ranks (here 3 threads and a
+    barrier, one rank with no sample at all): every share's advantages and the mean KL equal the whole step's."""
+    import threading
+
+    cfg = AlgoConfig(advantage="reinforce_pp_baseline", kl_reward_coef=0.05)
+    groups, mu, ref, trained = random_step(11)
+    rewards = [x for g in base_rewards(groups, cfg) for x in g]
+    whole = step_advantages(rewards, mu, ref, trained, cfg)
+    whole_kl = mean_kl(mu, ref, trained, "k1")
+    shares = [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7], []]  # groups 0 and 2, group 1, nothing
+    barrier, lock, parts, got = threading.Barrier(len(shares)), threading.Lock(), [], {}
+
+    def total(values):  # every rank's list, summed element-wise: what all_reduce does over the gloo group
+        with lock:
+            parts.append(list(values))
+        barrier.wait()
+        out = [math.fsum(p[k] for p in parts) for k in range(len(values))]
+        if barrier.wait() == 0:  # every rank has read the sums
+            parts.clear()
+        barrier.wait()
+        return out
+
+    def rank(r):
+        idx = shares[r]
+        pick = lambda rows: [rows[i] for i in idx]  # noqa: E731
+        kl = mean_kl(pick(mu), pick(ref), pick(trained), "k1", total)
+        got[r] = (step_advantages(pick(rewards), pick(mu), pick(ref), pick(trained), cfg, total), kl)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(shares))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(got) == [0, 1, 2]
+    for r, idx in enumerate(shares):
+        adv, kl = got[r]
+        assert kl == pytest.approx(whole_kl, rel=1e-12, abs=1e-15)
+        assert len(adv) == len(idx)
+        for i, row in zip(idx, adv, strict=True):
+            assert row == pytest.approx(whole[i], rel=1e-12, abs=1e-12)

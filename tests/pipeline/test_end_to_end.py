@@ -176,12 +176,15 @@ def test_killing_a_role_or_ctrl_c_stops_everything(tiny_model_dir, tmp_path, how
         assert not _alive(pid), f"{name} (pid {pid}) outlived the launcher"
 
 
-@pytest.mark.parametrize("ranks,algo", [(1, []), (2, []), (2, ["algo.loss=decoupled_ppo", "algo.kl_coef=0.05"])],
-                         ids=["1-rank", "2-ranks", "2-ranks-decoupled_ppo-kl"])
+@pytest.mark.parametrize("ranks,algo", [(1, []), (2, []), (2, ["algo.loss=decoupled_ppo", "algo.kl_coef=0.05",
+                                                            "algo.advantage=reinforce_pp_baseline",
+                                                            "algo.kl_reward_coef=0.05"])],
+                         ids=["1-rank", "2-ranks", "2-ranks-decoupled_ppo-kl-reinforce_pp"])
 def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks, algo):
     """The FSDP2 launch path a multi-GPU user takes (trainer.num_processes ranks, rank 0 pushes), here on gloo. At
     world 1 too: FSDP2 gathers the pushed weights with collectives, which must not overlap a step's own. With
-    decoupled PPO and the KL term: pi_prox from the policy, the reference sharded on every rank."""
+    decoupled PPO, the KL term and REINFORCE++-baseline's KL in the return (one run for all three: each costs a
+    minute): pi_prox from the policy, the reference sharded on every rank, the step's statistics over the ranks."""
     res = run_train(overrides(tiny_model_dir, tmp_path, "fsdp", "trainer.backend=fsdp2",
                               f"trainer.num_processes={ranks}", "pipeline.max_steps=5", "actor.eval_every=0",
                               "actor.max_new_tokens=48", "algo.entropy_coef=1e-6", *algo))
@@ -192,6 +195,9 @@ def test_fsdp2_pipelined_run(tiny_model_dir, tmp_path, ranks, algo):
     assert steps[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-3) and steps[0]["ratio_max"] < 1.01
     if algo:  # the reference is the starting weights: no KL at step 1, some once the policy has moved
         assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[-1]["kl"] > 0
+        # the same for the KL in the return, of the sampling policy (k1: of either sign; measured 1.5e-8 at step 1,
+        # 3.5e-4 at most later)
+        assert abs(steps[0]["kl_reward"]) < 1e-5 and max(abs(r["kl_reward"]) for r in steps[1:]) > 1e-5
     assert [r["step"] for r in records(tmp_path / "fsdp", "weight_push")] == [1, 2, 3, 4, 5]
     for k in (0, 1):
         assert [r["weight_version"] for r in records(tmp_path / "fsdp", "server_metrics") if r["server"] == k][-1] == 5

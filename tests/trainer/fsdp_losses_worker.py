@@ -4,7 +4,8 @@ usage: python fsdp_losses_worker.py POLICY_DIR REF_DIR GROUPS_FILE RUN_DIR OUT_F
 For each of configs(): a fresh FSDP2 policy from POLICY_DIR takes one optimizer step through the pipeline's own
 DistributedTrainerLoop.step (rank 0 reads the groups of GROUPS_FILE from a MemoryStream and sends every rank its
 share), with the KL term's reference from REF_DIR built once by make_reference (sharded like the policy). Rank 0
-saves every config's step record and weights after the step with torch.save.
+saves every config's step record, gradients, weights after the step, and (REINFORCE++) every rank's per-token
+advantages (float64, as per_token_advantages returned them) with torch.save.
 """
 
 import os
@@ -24,7 +25,7 @@ from inflight.streams.serialize import decode_group  # noqa: E402
 from inflight.trainer.factory import make_reference, make_trainer  # noqa: E402
 from tests.trainer.cpu_collectives import default_group_refuses_cpu_tensors  # noqa: E402
 
-G, GPS = 4, 4  # 4 groups: 2 per rank
+G, GPS = 4, 4  # 4 groups: 2 per rank (a config's `groups` takes the first ones only)
 KL = 0.05
 LORA = dict(rank=4, alpha=8.0)
 
@@ -36,19 +37,47 @@ def configs() -> list[dict]:
     out: list[dict] = [dict(loss=name, kl_coef=kl) for name in sorted(LOSSES) for kl in (0.0, KL)]
     out.append(dict(loss="decoupled_ppo", kl_coef=KL, entropy_coef=0.01, normalization="tokens"))
     out.append(dict(loss="grpo", kl_coef=KL, lora=True))
+    # REINFORCE++ and its group baseline, without and with the KL in the return (the step's statistics summed over
+    # the ranks); 3 groups: an uneven share (2 on rank 0, 1 on rank 1), k2 once
+    out += [dict(advantage=a, kl_reward_coef=kl) for a in ("reinforce_pp", "reinforce_pp_baseline") for kl in (0.0, KL)]
+    out.append(dict(advantage="reinforce_pp_baseline", kl_reward_coef=KL, groups=3))
+    out.append(dict(advantage="reinforce_pp", kl_reward_coef=KL, kl_reward_estimator="k2", groups=3))
     return out
+
+
+def needs_ref(cfg: RunConfig) -> bool:
+    return cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
+
+
+def recording(real, seen: dict):
+    """`real` (step_advantages.per_token_advantages, as a trainer loop module calls it) that first keeps each
+    sample's per-token advantages (float64) in `seen`, under its token ids joined by commas."""
+    def per_token_advantages(samples, *args, **kwargs):
+        advantages, kl = real(samples, *args, **kwargs)
+        seen.update({",".join(map(str, s.prompt_ids + s.completion_ids)): list(a)
+                     for s, a in zip(samples, advantages, strict=True)})
+        return advantages, kl
+    return per_token_advantages
+
+
+def counting(forward, count: list):
+    """`forward` (the reference's forward_logprobs) that counts its one-token stand-in batches in count[0]."""
+    def forward_logprobs(batch):
+        count[0] += batch.seq_lens == [1]
+        return forward(batch)
+    return forward_logprobs
 
 
 def run_config(algo: dict, backend: str) -> RunConfig:
     """One optimizer step in sync mode (no push within it) over the GPS groups of the stream."""
     cfg = RunConfig()
-    cfg.actor.group_size, cfg.actor.groups_per_step = G, GPS
+    cfg.actor.group_size, cfg.actor.groups_per_step = G, algo.get("groups", GPS)
     cfg.pipeline.mode, cfg.pipeline.num_grad_steps, cfg.pipeline.max_steps = "sync", 1000, 1
     cfg.trainer = TrainerConfig(backend=backend, threads=1, lr=1e-3, max_grad_norm=1e9, micro_batch_tokens=40,
                                 lora=LoraConfig(**LORA) if algo.get("lora") else None)
     cfg.algo.is_cap = cfg.algo.behaviour_cap = cfg.algo.aipo_rho = 1.5  # caps that act on some tokens (ratios to 2)
     for k, v in algo.items():
-        if k != "lora":
+        if k not in ("lora", "groups"):
             setattr(cfg.algo, k, v)
     return cfg
 
@@ -87,12 +116,15 @@ def read_groups(path: str) -> list:
 
 def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str) -> None:
     from inflight.report.metrics import MetricsLogger
+    from inflight.trainer.loop import fsdp_loop
     from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
+    from inflight.trainer.loop.step_advantages import per_token_advantages
 
     default_group_refuses_cpu_tensors()  # as NCCL would on CUDA: CPU collectives must take the trainer's cpu_group
     use_float64()
     ref = None
     results = []
+    stand_ins = [0]  # the reference's forwards of a one-token stand-in batch on this rank (a share done early)
     for i, algo in enumerate(configs()):
         cfg = run_config(algo, "fsdp2")
         policy = make_trainer(policy_dir, cfg.trainer)
@@ -103,19 +135,27 @@ def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str
             assert not any(p.requires_grad for p in ref.model.parameters()) and not ref.model.training
             assert not hasattr(ref, "optimizer")
             assert all(hasattr(p, "full_tensor") for p in ref.model.parameters())  # sharded, as the policy
+            ref.forward_logprobs = counting(ref.forward_logprobs, stand_ins)
         assert all(p.dtype == torch.float64 for p in policy.model.parameters())
         rank, world = policy.rank, policy.world_size
         stream, log = (MemoryStream(), MetricsLogger(Path(run_dir) / str(i), "trainer")) if rank == 0 else (None, None)
         if stream is not None:
             stream.put(read_groups(groups_file))
         loop = DistributedTrainerLoop(cfg, policy, stream, None, log, run_dir, rank=rank, world_size=world,
-                                      ref_policy=ref if cfg.algo.kl_coef > 0 else None)
+                                      ref_policy=ref if needs_ref(cfg) else None)
         grads = capture_grads(policy)
+        advantages: dict = {}
+        fsdp_loop.per_token_advantages = recording(per_token_advantages, advantages)
         record = loop.step()
         weights = {n: w.clone() for n, w in policy.named_weights()}  # collective
+        shares: list = [None] * world
+        torch.distributed.all_gather_object(shares, (advantages, stand_ins[0]), group=policy.cpu_group)
+        stand_ins[0] = 0
         if rank == 0:
             results.append({"algo": algo, "record": {k: v for k, v in record.items() if isinstance(v, float)},
-                            "weights": weights, "grads": grads})
+                            "weights": weights, "grads": grads, "shares": [len(a) for a, _ in shares],
+                            "stand_ins": [n for _, n in shares],
+                            "advantages": {k: v for a, _ in shares for k, v in a.items()}})
             log.close()
         del loop, policy
     if torch.distributed.get_rank() == 0:

@@ -137,21 +137,26 @@ def _groups(policy_dir: Path) -> list:
 
 
 @pytest.mark.slow  # ~20 s: two processes take one step per config (one start for all), one process the same
-def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path):
+def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path, monkeypatch):
     """Every loss of LOSSES, without and with the KL term (the reference sharded like the policy), the entropy bonus
-    once, KL on a LoRA policy: one step of the pipeline's FSDP2 loop at 2 gloo ranks equals one step of the single
-    trainer's loop on the same groups: loss, KL, grad norm and the weights after the step within 1e-5, every
-    gradient within 1e-6 of the largest. In float64 (the worker's use_float64; measured: loss 4e-16, grad norm
-    1.4e-8, gradients 1e-7, weights 1.7e-6: the float32 upcast inside HF's RMSNorm, then Adam's first step)."""
+    once, KL on a LoRA policy, REINFORCE++ and its baseline variant without and with the KL in the return (twice on
+    3 groups: an uneven share, the rank with less work running stand-in reference forwards): one step of the
+    pipeline's FSDP2 loop at 2 gloo ranks equals one step of the single trainer's loop on the same groups: loss, KL,
+    grad norm and the weights after the step within 1e-5, every gradient within 1e-6 of the largest, REINFORCE++'s
+    per-token advantages (float64) and mean KL within 1e-9. In float64 (the worker's use_float64; measured: loss
+    1e-15, grad norm 7.5e-8, gradients 1e-7, weights 1.7e-6: the float32 upcast inside HF's RMSNorm, then Adam's
+    first step; advantages 2.2e-16, KL in the return 3e-17)."""
     import msgpack
 
     from inflight.report.metrics import MetricsLogger
     from inflight.streams.memory import MemoryStream
     from inflight.streams.serialize import encode_group
     from inflight.trainer.factory import make_reference, make_trainer
+    from inflight.trainer.loop import trainer_loop
+    from inflight.trainer.loop.step_advantages import per_token_advantages
     from inflight.trainer.loop.trainer_loop import TrainerLoop
 
-    from .fsdp_losses_worker import capture_grads, configs, run_config
+    from .fsdp_losses_worker import capture_grads, configs, needs_ref, recording, run_config
 
     policy_dir = _perturbed(tiny_model_dir, tmp_path / "policy")
     groups = _groups(policy_dir)
@@ -165,7 +170,8 @@ def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path):
     torch.set_num_threads(1)
     ref = make_reference(str(tiny_model_dir), run_config({}, "single").trainer)
     ref.model.double()  # as the worker's use_float64
-    worst = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "weights": 0.0, "grads_rel": 0.0}
+    worst = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "weights": 0.0, "grads_rel": 0.0,
+             "kl_reward": 0.0, "advantages": 0.0}
     for i, (algo, fsdp) in enumerate(zip(configs(), got, strict=True)):
         cfg = run_config(algo, "single")
         policy = make_trainer(str(policy_dir), cfg.trainer)
@@ -174,10 +180,27 @@ def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path):
         policy.model.double()  # in place: the optimizer keeps the same parameters
         before = {n: w.clone() for n, w in policy.named_weights()}
         loop = TrainerLoop(cfg, policy, MemoryStream(), None, MetricsLogger(tmp_path / "single" / str(i), "trainer"),
-                           tmp_path / "single", ref_policy=ref if cfg.algo.kl_coef > 0 else None)
+                           tmp_path / "single", ref_policy=ref if needs_ref(cfg) else None)
         loop.stream.put(groups)
         grads = capture_grads(policy)
+        advantages: dict = {}
+        monkeypatch.setattr(trainer_loop, "per_token_advantages", recording(per_token_advantages, advantages))
         rec = loop.step()
+        # REINFORCE++: every sample's per-token advantages as the single trainer's, though each rank normalised
+        # only its share (with the step's statistics summed over the ranks)
+        assert set(fsdp["advantages"]) == set(advantages), algo
+        if advantages:
+            assert sorted(fsdp["shares"]) == ([4, 8] if algo.get("groups") == 3 else [8, 8]), algo
+            if algo.get("groups") == 3:  # the rank with less work ran stand-ins alongside the other's reference forwards
+                assert fsdp["stand_ins"][0] == 0 and fsdp["stand_ins"][1] > 0, fsdp["stand_ins"]
+            for k, a in advantages.items():
+                diff = max(abs(x - y) for x, y in zip(fsdp["advantages"][k], a, strict=True))
+                worst["advantages"] = max(worst["advantages"], diff)
+                assert diff <= 1e-9, (algo, diff)
+            assert max(abs(x) for a in advantages.values() for x in a) > 0.1, algo  # not all zero
+            worst["kl_reward"] = max(worst["kl_reward"], abs(fsdp["record"]["kl_reward"] - rec["kl_reward"]))
+            assert fsdp["record"]["kl_reward"] == pytest.approx(rec["kl_reward"], abs=1e-9), algo
+            assert (abs(rec["kl_reward"]) > 1e-3) == (cfg.algo.kl_reward_coef > 0), algo  # the return's KL acts
         assert list(fsdp["grads"]) == list(grads)
         scale = max(g.abs().max().item() for g in grads.values())
         for n, g in grads.items():

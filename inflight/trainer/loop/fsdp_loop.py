@@ -2,8 +2,9 @@
 groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
 over the trainer's gloo group (cpu_group); all ranks then run the collective forward/backward (StepAccumulator keeps their
 micro-batch counts equal; decoupled PPO's pi_prox and the KL reference's logprobs are collective forwards before
-each backward), the optimizer step, and the weight gather (once per push, on every rank) whose result rank 0
-sends to the servers, with the single trainer's retries (a restarted server rejoins the weight group)."""
+each backward; REINFORCE++'s advantages take the step's statistics summed over the ranks, step_advantages.py), the
+optimizer step, and the weight gather (once per push, on every rank) whose result rank 0 sends to the servers,
+with the single trainer's retries (a restarted server rejoins the weight group)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from inflight.algo import advantages as adv_mod
+from inflight.algo import reinforce_pp
 from inflight.algo.dynamic_sampling import refill_stats
 from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, merge_stats
 from inflight.algo.truncation import trains
@@ -22,6 +24,7 @@ from inflight.config import RunConfig
 from inflight.contracts import Group
 from inflight.trainer.loop.checkpoint import CheckpointState
 from inflight.trainer.loop.completions import completion_stats
+from inflight.trainer.loop.step_advantages import per_token_advantages
 from inflight.trainer.loop.trainer_loop import StopTraining, TrainerLoop, needs_prox, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
@@ -102,11 +105,20 @@ class DistributedTrainerLoop(TrainerLoop):
         n_seq = sum(len(g) for g in everything)
         acc = StepAccumulator(self.policy, self.loss_fn, self.cfg.trainer.micro_batch_tokens, n_seq, None,
                               temperature=self.cfg.actor.temperature, merge=merge_stats, prox=needs_prox(self.cfg),
-                              ref=self.ref_policy)
-        advs = adv_mod.compute_advantages([[s.reward for s in g] for g in mine], self.cfg.algo) if mine else []
+                              ref=self.ref_policy if self.cfg.algo.kl_coef > 0 else None)  # else: KL in the return
+        rewards = [[s.reward for s in g] for g in mine]
+        if self.per_step_advantages:  # REINFORCE++: base rewards here, per-token advantages once the step is in
+            advs: list = reinforce_pp.base_rewards(rewards, self.cfg.algo)
+        else:
+            advs = adv_mod.compute_advantages(rewards, self.cfg.algo) if mine else []
         # algo.truncated=mask: truncated samples count in their group's baseline and in n_seq, never in the loss
         kept = [(s, a) for g, adv in zip(mine, advs, strict=True) for s, a in zip(g, adv, strict=True)
                 if trains(s, self.cfg.algo.truncated)]
+        kl_reward = 0.0
+        if self.per_step_advantages:  # collective: the step's statistics over every rank's tokens
+            per_token, kl_reward = per_token_advantages([s for s, _ in kept], [a for _, a in kept], self.cfg,
+                                                        self.ref_policy, self.world, self.policy.cpu_group)
+            kept = [(s, a) for (s, _), a in zip(kept, per_token, strict=True)]
         acc.add([s for s, _ in kept], [a for _, a in kept])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step
         loss = reduce_loss_stats(stats, self.policy.cpu_group)
@@ -140,6 +152,8 @@ class DistributedTrainerLoop(TrainerLoop):
             "published_version": self.published_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
+        if self.per_step_advantages:
+            record["kl_reward"] = kl_reward
         if self.cfg.actor.dynamic_sampling:
             record.update(refill_stats(self.order.pop_passed(), samples, self.cfg.actor.groups_per_step))
         self.log.log("train_step", step=version, **record)

@@ -56,9 +56,9 @@ from inflight.trainer.loop.checkpoint import CheckpointState, save_checkpoint
 from inflight.trainer.loop.completions import TruncationAlarm, completion_stats
 from inflight.backends import startup_timeout
 from inflight.trainer.loop.ordering import StartOrder
+from inflight.trainer.loop.step_advantages import per_token_advantages
 from inflight.trainer.weight_sync.rejoin import refused, rejoin_weight_group, server_versions
-from inflight.trainer.packing import (collate, completion_mask, completion_slices, count_loss_tokens,
-                                      first_fit_decreasing)
+from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 from inflight.trainer.weight_sync.common import WeightSyncError
 
 
@@ -218,30 +218,10 @@ class TrainerLoop:
         """REINFORCE++: the per-token advantages of the step's trained samples, from their base rewards (in
         data.advantages until now), the reference model's KL and the statistics of the whole step."""
         idx = list(data.pending)
-        beta = self.cfg.algo.kl_reward_coef
-        mu, ref, trained = [], [], []
-        for i in idx:
-            s = data.samples[i]
-            mu.append(list(s.logprobs))
-            mask = [m > 0 for m in completion_mask(s)]
-            if not s.prompt_ids and mask:  # nothing predicts a sample's first token
-                mask[0] = False
-            trained.append(mask)
-        if beta > 0:
-            if self.ref_policy is None:
-                raise ValueError("algo.kl_reward_coef > 0 needs the reference model (built by the trainer role)")
-            by_sample: dict[int, list[float]] = {}
-            for b in first_fit_decreasing([len(data.samples[i]) for i in idx], self.cfg.trainer.micro_batch_tokens):
-                part = [data.samples[idx[j]] for j in b]
-                batch = collate(part, [0.0] * len(part), 1, 1, temperature=self.cfg.actor.temperature)
-                logp = self.ref_policy.forward_logprobs(batch).double().tolist()
-                for j, (lo, hi) in zip(b, completion_slices(part), strict=True):
-                    by_sample[j] = logp[lo:hi]
-            ref = [by_sample[j] for j in range(len(idx))]
-            data.kl_reward = reinforce_pp.mean_kl(mu, ref, trained, self.cfg.algo.kl_reward_estimator)
         rewards = [float(data.advantages[i]) for i in idx]  # type: ignore[arg-type]  # scalars until here
-        for i, a in zip(idx, reinforce_pp.step_advantages(rewards, mu, ref if beta > 0 else None, trained,
-                                                          self.cfg.algo), strict=True):
+        advantages, data.kl_reward = per_token_advantages([data.samples[i] for i in idx], rewards, self.cfg,
+                                                          self.ref_policy)
+        for i, a in zip(idx, advantages, strict=True):
             data.advantages[i] = a
 
     def _run(self, data: StepData, final: bool, n_seq: int, n_tok: int, stats: list) -> None:
