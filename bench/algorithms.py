@@ -39,6 +39,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "decoupled_ppo": ["algo.loss=decoupled_ppo"],
     "aipo": ["algo.loss=aipo"],
     "reinforce_pp_baseline": ["algo.advantage=reinforce_pp_baseline"],
+    "ppo_critic": ["algo.loss=ppo", "algo.advantage=gae"],
     "grpo_masked_is": ["algo.is_mask=geometric"],
     "grpo_dynamic_sampling": ["actor.dynamic_sampling=true"],
 }

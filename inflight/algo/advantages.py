@@ -17,6 +17,10 @@ from typing import Callable, Sequence
 from inflight.algo.reinforce_pp import STEP_ADVANTAGES
 from inflight.config.algo import AlgoConfig
 
+# advantages the trainer loop computes once a step's samples are all in: REINFORCE++'s, and GAE's (gae.py), which
+# needs the critic's values
+STEP_LEVEL = STEP_ADVANTAGES + ("gae",)
+
 
 def group_mean(r: list[float]) -> list[float]:
     """A_i = r_i − mean(r)."""
@@ -44,9 +48,9 @@ def group_std(r: list[float]) -> float:
 
 def compute_advantages(rewards: Sequence[Sequence[float]], cfg: AlgoConfig) -> list[list[float]]:
     """Advantages for a list of groups (one list of rewards per prompt), same shape as `rewards`."""
-    if cfg.advantage in STEP_ADVANTAGES:  # per token, from the whole step: reinforce_pp.py, in the trainer loop
+    if cfg.advantage in STEP_LEVEL:  # per token, from the whole step: reinforce_pp.py, gae.py, in the trainer loop
         raise ValueError(f"algo.advantage={cfg.advantage!r} is computed per optimizer step by the trainer loop "
-                         f"(inflight.algo.reinforce_pp.step_advantages), not per group")
+                         f"(inflight.algo.reinforce_pp / inflight.algo.gae), not per group")
     if cfg.advantage not in BASELINES:
         raise ValueError(f"unknown algo.advantage {cfg.advantage!r}; choose one of {sorted(BASELINES)}")
     if cfg.normalize_std and not cfg.std_eps > 0:

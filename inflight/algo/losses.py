@@ -53,7 +53,7 @@ from typing import Callable
 import torch
 
 from inflight.algo import reinforce_pp, sequence, truncation
-from inflight.algo.advantages import BASELINES
+from inflight.algo.advantages import BASELINES, STEP_LEVEL
 from inflight.algo.sequence import Samples
 from inflight.config.algo import AlgoConfig
 from inflight.contracts import LossFn, TrainBatch
@@ -203,9 +203,9 @@ def _check_cfg(cfg: AlgoConfig) -> None:
             raise ValueError(f"algo.{name} must be > 0, got {getattr(cfg, name)}")
     if cfg.gspo_clip_low >= 1 and cfg.loss in ("gspo", "gspo_token"):
         raise ValueError(f"algo.gspo_clip_low must be < 1 (the ratio's lower bound is 1 - it), got {cfg.gspo_clip_low}")
-    if cfg.advantage not in BASELINES and cfg.advantage not in reinforce_pp.STEP_ADVANTAGES:
+    if cfg.advantage not in BASELINES and cfg.advantage not in STEP_LEVEL:
         raise ValueError(f"unknown algo.advantage {cfg.advantage!r}; choose one of "
-                         f"{sorted(BASELINES) + list(reinforce_pp.STEP_ADVANTAGES)}")
+                         f"{sorted(BASELINES) + list(STEP_LEVEL)}")
     sequence.check(cfg)
     reinforce_pp.check(cfg)
     truncation.check(cfg.truncated, cfg.overlong_penalty, cfg.overlong_buffer)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from inflight.config.actor import ActorConfig
 from inflight.config.algo import AlgoConfig
+from inflight.config.critic import CriticConfig
 from inflight.config.engine import ServerConfig
 from inflight.config.pipeline import PipelineConfig
 from inflight.config.tasks import TaskConfig
@@ -42,6 +43,7 @@ class RunConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # the value model of algo.advantage=gae
     actor: ActorConfig = field(default_factory=ActorConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 

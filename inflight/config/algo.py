@@ -4,7 +4,7 @@ from dataclasses import dataclass
 @dataclass
 class AlgoConfig:
     loss: str = "grpo"  # grpo | ppo | decoupled_ppo | aipo | gspo | gspo_token | cispo
-    advantage: str = "group_mean"  # group_mean | leave_one_out | reinforce_pp | reinforce_pp_baseline
+    advantage: str = "group_mean"  # group_mean | leave_one_out | reinforce_pp | reinforce_pp_baseline | gae (critic:)
     normalize_std: bool = False  # divide each group's advantages by (std(group) + std_eps)
     std_eps: float = 1e-6
     normalization: str = "auto"  # auto (the loss's paper) | sequences | tokens | sequence_length | constant (Dr. GRPO)
@@ -28,6 +28,9 @@ class AlgoConfig:
     kl_reward_coef: float = 0.0  # reinforce_pp*: beta of the per-token KL(mu/ref) in the return (needs the ref model)
     kl_reward_estimator: str = "k1"  # k1: log mu - log ref (REINFORCE++ eq. 9) | k2: (log mu - log ref)^2 / 2
     entropy_coef: float = 0.0
+    gamma: float = 1.0  # gae: discount of the token-level rewards (verl's default; the reward sits on the last token)
+    lam: float = 1.0  # gae: lambda of GAE (verl's default; OpenRLHF uses 0.95)
+    gae_whiten: bool = True  # gae: advantages whitened over the step's trained tokens, (A - mean) / sqrt(var + 1e-8)
     truncated: str = "zero_reward"  # a completion cut off by max_new_tokens: mask | zero_reward | soft_penalty | keep
     overlong_penalty: float = 1.0  # soft_penalty: reward taken off at the length limit (DAPO)
     overlong_buffer: float = 0.2  # soft_penalty: share of max_new_tokens over which the penalty rises to it

@@ -87,6 +87,7 @@ ALGORITHMS = """
 | Dr. GRPO (Liu et al. 2025) | `algo.normalization=constant` (`normalize_std=false`, the default) | unbiased GRPO: no std division, no per-answer length normalisation (a constant, `actor.max_new_tokens` unless `norm_constant`); answers do not grow to dilute a penalty |
 | REINFORCE++ (Hu 2025) | `algo.advantage=reinforce_pp` (`kl_reward_coef` for the KL in the return) | one answer per prompt, or reward models prone to hacking: advantages normalised over the whole step's tokens |
 | REINFORCE++-baseline | `algo.advantage=reinforce_pp_baseline` | several answers per prompt (reasoning): the group's mean reward subtracted first, then the step normalisation |
+| PPO with a critic (GAE) | `algo.advantage=gae algo.loss=ppo` (`critic.*`; `algo.gamma`, `algo.lam`: 1, 1 as in verl) | one answer per prompt, or per-token credit from a learned value instead of a group baseline: costs a second model (memory and a forward/backward per step); `critic.warmup_steps` trains the critic alone first; single-device trainer |
 | masked IS (MIS) | `algo.is_mask=sequence` or `geometric` (any loss) | the generator and trainer disagree (another engine, bf16 vs fp32): samples whose π/μ leaves [`is_mask_low`, `is_mask_high`] are left out |
 | dynamic sampling (DAPO) | `actor.dynamic_sampling=true` (any loss) | many groups solved or failed alike (an easy or hard task): those groups are dropped and replaced, so every step trains `groups_per_step` groups with a signal, at the cost of extra generation |
 """

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from inflight import backends
+from inflight.algo import gae
 from inflight.config import RunConfig, save_config
 from inflight.config.engine import ServerConfig
 from inflight.config.limits import staleness
@@ -44,6 +45,7 @@ def check_config(cfg: RunConfig) -> None:
         raise ValueError("pipeline.num_grad_steps must be >= 1")
     if not (p.max_steps or p.max_samples or p.max_minutes):
         raise ValueError("set at least one of pipeline.max_steps, max_samples, max_minutes")
+    gae.check(cfg.algo, cfg.critic)
     if p.wandb:
         try:
             import wandb  # lazy: optional dependency, only checked for here  # noqa: F401
@@ -69,6 +71,9 @@ def check_ranks(cfg: RunConfig) -> None:
     t, gps = cfg.trainer, cfg.actor.groups_per_step
     if t.backend != "fsdp2":
         return
+    if cfg.algo.advantage == gae.ADVANTAGE:  # the critic lives in the single trainer's loop
+        raise ValueError(f"algo.advantage={gae.ADVANTAGE} (PPO with a critic) runs on the single-device trainer only "
+                         f"(not yet with trainer.backend=fsdp2)")
     if t.num_processes < 1:
         raise ValueError(f"trainer.num_processes must be >= 1, got {t.num_processes}")
     if gps % t.num_processes:

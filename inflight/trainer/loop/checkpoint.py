@@ -8,6 +8,8 @@
         train_state.pt      optimizer + scheduler state, RNG states (torch.save; read back with weights_only=True);
                             FSDP2: the optimizer state gathered unsharded, keyed by parameter name
         state.json          step, weight version, samples trained, stream / prompt position (human-readable)
+        critic/             algo.advantage=gae: the critic's trained tensors (critic.safetensors; with trainer.lora
+                            its adapter and head) and its optimizer and scheduler (train_state.pt), trainer/critic.py
 
 A checkpoint is written to a hidden temporary folder next to its final place and renamed into place, so a crash
 while writing leaves either the previous checkpoint or the new one, never half of one; only folders holding a
@@ -40,6 +42,7 @@ from inflight.trainer.lora import has_adapter
 
 STATE_JSON = "state.json"
 TRAIN_STATE = "train_state.pt"
+CRITIC = "critic"
 
 
 @dataclass
@@ -91,8 +94,10 @@ def is_complete(path: Path) -> bool:
     return not path.name.startswith(".") and (path / STATE_JSON).is_file()
 
 
-def save_checkpoint(root: str | Path, name: str, policy: Any, state: CheckpointState, keep: int = 2) -> Path:
-    """Write checkpoint `root/name` atomically and prune old step checkpoints; returns its path."""
+def save_checkpoint(root: str | Path, name: str, policy: Any, state: CheckpointState, keep: int = 2,
+                    critic: Any = None) -> Path:
+    """Write checkpoint `root/name` atomically (with the critic when there is one) and prune old step checkpoints;
+    returns its path."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
@@ -103,6 +108,8 @@ def save_checkpoint(root: str | Path, name: str, policy: Any, state: CheckpointS
         if hasattr(policy, "train_state"):  # optimizer + scheduler (FSDP2: collective, the other ranks call it too)
             extra.update(policy.train_state())
         torch.save(extra, tmp / TRAIN_STATE)
+        if critic is not None:
+            critic.save(tmp / CRITIC)
         (tmp / STATE_JSON).write_text(json.dumps(asdict(state), indent=1))
         old = None
         if final.exists():  # "final" of an earlier run, or the same step written twice
@@ -169,6 +176,14 @@ def restore_trainer(policy: Any, path: str | Path) -> CheckpointState:
     set_rng_state(extra["rng"])
     policy.version = state.version
     return state
+
+
+def restore_critic(critic: Any, path: str | Path) -> None:
+    """The critic of checkpoint `path` (weights, optimizer, scheduler) into a critic built as the run built it."""
+    folder = Path(path) / CRITIC
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint {path} holds no critic: it was trained without algo.advantage=gae")
+    critic.load(folder)
 
 
 def check_compatible(state: CheckpointState, cfg: RunConfig) -> None:

@@ -1,26 +1,46 @@
-"""REINFORCE++'s per-token advantages of one optimizer step (algo/reinforce_pp.py), for the single trainer and for
-each FSDP2 rank.
+"""One optimizer step's samples (`StepData`), and the advantages that need all of them before the policy's backward.
 
-The caller passes the step's trained samples it holds (the single trainer: all of them; an FSDP2 rank: its share)
-with their base rewards. The reference model's logprobs are forwards over micro-batches of those samples; with
-FSDP2 they are collectives, so every rank runs as many as the rank with the most, a rank short of work running
-stand-ins (accumulate.empty_batch). The step's statistics (mean and std of the returns, mean KL) are then sums over
-every rank's tokens, in float64 on the gloo cpu_group: every rank gets the advantages the single trainer would give
-its samples.
+- REINFORCE++ (`algo.advantage: reinforce_pp | reinforce_pp_baseline`, algo/reinforce_pp.py), for the single
+  trainer and for each FSDP2 rank (`per_token_advantages`). The caller passes the step's trained samples it holds
+  (the single trainer: all of them; an FSDP2 rank: its share) with their base rewards. The reference model's
+  logprobs are forwards over micro-batches of those samples; with FSDP2 they are collectives, so every rank runs as
+  many as the rank with the most, a rank short of work running stand-ins (accumulate.empty_batch). The step's
+  statistics (mean and std of the returns, mean KL) are then sums over every rank's tokens, in float64 on the gloo
+  cpu_group: every rank gets the advantages the single trainer would give its samples.
+- GAE (`algo.advantage: gae`, algo/gae.py; the single trainer): the critic's current values of every trained sample,
+  then GAE per sample and the whitening over the step (`gae_step`); the critic trains on the returns once the
+  policy's backward has used the advantages (`CriticWork.train`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from inflight.algo import reinforce_pp
+from inflight.algo import gae, reinforce_pp
 from inflight.config import RunConfig
 from inflight.contracts import Sample
 from inflight.trainer.accumulate import empty_batch
 from inflight.trainer.packing import collate, completion_mask, completion_slices, first_fit_decreasing
+
+
+@dataclass
+class StepData:
+    """The samples of one optimizer step seen so far, with their advantages, and the micro-batches not yet run."""
+
+    samples: list[Sample] = field(default_factory=list)
+    advantages: list[float | list[float]] = field(default_factory=list)  # per sample, or per completion token
+    pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
+    skipped: list[int] = field(default_factory=list)  # zero-advantage samples left out of the backward
+    masked: list[int] = field(default_factory=list)  # truncated samples left out of the loss (algo.truncated=mask)
+    trained: int = 0  # samples back-propagated
+    forward_tokens: int = 0  # tokens the forward/backward ran over (a shared prompt once per micro-batch)
+    groups: int = 0
+    rewards: list[float] = field(default_factory=list)
+    kl_reward: float = 0.0  # REINFORCE++: mean KL(mu / ref) per trained token, the estimate in the return
 
 
 def trained_tokens(s: Sample) -> list[bool]:
@@ -83,3 +103,41 @@ def per_token_advantages(samples: list[Sample], rewards: list[float], cfg: RunCo
                                  group)
         kl = reinforce_pp.mean_kl(mu, ref, trained, cfg.algo.kl_reward_estimator, total)
     return reinforce_pp.step_advantages(rewards, mu, ref, trained, cfg.algo, total), kl
+
+
+@dataclass
+class CriticWork:
+    """The step's trained samples with the critic's values (before its update) and their GAE returns."""
+
+    samples: list[Sample]
+    values: list[list[float]]
+    returns: list[list[float]]
+    trained: list[list[bool]]
+
+    def stats(self) -> dict[str, float]:
+        flat = [v for row, m in zip(self.values, self.trained, strict=True) for v, on in zip(row, m, strict=True) if on]
+        ret = [r for row, m in zip(self.returns, self.trained, strict=True) for r, on in zip(row, m, strict=True)
+               if on]
+        return {"explained_variance": gae.explained_variance(self.values, self.returns, self.trained),
+                "value_mean": sum(flat) / max(1, len(flat)), "returns_mean": sum(ret) / max(1, len(ret))}
+
+    def train(self, critic: Any) -> dict[str, float]:
+        """The critic's update on this step's returns; its stats with the values' (explained variance: of the values
+        the advantages used)."""
+        if not self.samples:
+            return {**self.stats(), "value_loss": 0.0, "value_clip_frac": 0.0}
+        return {**self.stats(), **critic.train(self.samples, self.values, self.returns)}
+
+
+def gae_step(data: StepData, cfg: RunConfig, critic: Any) -> CriticWork:
+    """GAE: the per-token advantages of the step's trained samples (their rewards in data.advantages until now) from
+    the critic's current values; returns what the critic then trains on."""
+    idx = list(data.pending)
+    samples = [data.samples[i] for i in idx]
+    trained = [trained_tokens(s) for s in samples]
+    values = critic.values(samples) if samples else []
+    rewards = [float(data.advantages[i]) for i in idx]  # type: ignore[arg-type]  # scalars until here
+    adv, returns = gae.step_advantages(rewards, values, trained, cfg.algo)
+    for i, a in zip(idx, adv, strict=True):
+        data.advantages[i] = a
+    return CriticWork(samples, values, returns, trained)

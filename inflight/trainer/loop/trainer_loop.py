@@ -18,9 +18,11 @@ baselines and the sequence count (`sequences` normalisation) still counts them. 
 and endings (trainer/loop/completions.py) and warns when the truncated share stays high.
 
 REINFORCE++ (`algo.advantage: reinforce_pp | reinforce_pp_baseline`, algo/reinforce_pp.py) normalises its per-token
-advantages over every trained token of the step, and with `algo.kl_reward_coef` takes the reference model's KL off
-each token's return: its steps back-propagate only once all their groups are in, after one forward of the reference
-model over the step's trained samples (`_step_advantages`).
+advantages over every trained token of the step (with `algo.kl_reward_coef`, after a forward of the reference model),
+and GAE (`algo.advantage: gae`, algo/gae.py) needs the critic's values of every sample: their steps back-propagate
+only once all their groups are in (loop/step_advantages.py). With a critic, the critic trains on the step's returns
+after the policy's backward, while the previous push may still run; during `critic.warmup_steps` the policy does not
+train (its optimizer step finds no gradient and leaves the weights as they are; the version still counts the step).
 
 Samples whose advantage is exactly 0 are not back-propagated when the loss has no KL or entropy term: every policy
 loss here multiplies its per-token term by A, so their gradient is exactly 0, and the denominators count the whole
@@ -46,9 +48,9 @@ from typing import Any
 
 from inflight.config.limits import pipeline_limits, staleness
 from inflight.algo import advantages as adv_mod
-from inflight.algo import reinforce_pp
+from inflight.algo import gae, reinforce_pp
 from inflight.algo.dynamic_sampling import refill_stats
-from inflight.algo.losses import lag_stats, make_loss, merge_stats, normalization_of
+from inflight.algo.losses import MAX_KEYS, SUM_KEYS, derive_stats, lag_stats, make_loss, merge_stats, normalization_of
 from inflight.algo.truncation import trains
 from inflight.config import RunConfig
 from inflight.contracts import Group, Sample
@@ -56,7 +58,7 @@ from inflight.trainer.loop.checkpoint import CheckpointState, save_checkpoint
 from inflight.trainer.loop.completions import TruncationAlarm, completion_stats
 from inflight.backends import startup_timeout
 from inflight.trainer.loop.ordering import StartOrder
-from inflight.trainer.loop.step_advantages import per_token_advantages
+from inflight.trainer.loop.step_advantages import CriticWork, StepData, gae_step, per_token_advantages
 from inflight.trainer.weight_sync.rejoin import refused, rejoin_weight_group, server_versions
 from inflight.trainer.packing import collate, count_loss_tokens, first_fit_decreasing
 from inflight.trainer.weight_sync.common import WeightSyncError
@@ -64,22 +66,6 @@ from inflight.trainer.weight_sync.common import WeightSyncError
 
 class StopTraining(Exception):
     """Raised when a limit (steps, samples, minutes) ends the run while waiting for data."""
-
-
-@dataclass
-class StepData:
-    """The samples of one optimizer step seen so far, with their advantages, and the micro-batches not yet run."""
-
-    samples: list[Sample] = field(default_factory=list)
-    advantages: list[float | list[float]] = field(default_factory=list)  # per sample, or per completion token
-    pending: list[int] = field(default_factory=list)  # indices into samples not yet back-propagated
-    skipped: list[int] = field(default_factory=list)  # zero-advantage samples left out of the backward
-    masked: list[int] = field(default_factory=list)  # truncated samples left out of the loss (algo.truncated=mask)
-    trained: int = 0  # samples back-propagated
-    forward_tokens: int = 0  # tokens the forward/backward ran over (a shared prompt once per micro-batch)
-    groups: int = 0
-    rewards: list[float] = field(default_factory=list)
-    kl_reward: float = 0.0  # REINFORCE++: mean KL(mu / ref) per trained token, the estimate in the return
 
 
 def version_mix(samples: list[Sample]) -> dict[str, Any]:
@@ -125,7 +111,7 @@ class _Push:
 
 class TrainerLoop:
     def __init__(self, cfg: RunConfig, policy: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path,
-                 ref_policy: Any = None, resume: CheckpointState | None = None):
+                 ref_policy: Any = None, resume: CheckpointState | None = None, critic: Any = None):
         self.cfg = cfg
         self.policy = policy
         self.stream = stream
@@ -133,10 +119,13 @@ class TrainerLoop:
         self.log = log
         self.run_dir = Path(run_dir)
         self.ref_policy = ref_policy
+        self.critic = critic if cfg.algo.advantage == gae.ADVANTAGE else None  # the value model (trainer/critic.py)
+        if cfg.algo.advantage == gae.ADVANTAGE and critic is None:
+            raise ValueError("algo.advantage=gae needs the critic (built by the trainer role)")
         # Dr. GRPO's constant normaliser defaults to the generation limit, which only the run's config knows
         self.algo = replace(cfg.algo, norm_constant=cfg.algo.norm_constant or float(cfg.actor.max_new_tokens))
         self.loss_fn = make_loss(self.algo)
-        self.per_step_advantages = cfg.algo.advantage in reinforce_pp.STEP_ADVANTAGES
+        self.per_step_advantages = cfg.algo.advantage in (*reinforce_pp.STEP_ADVANTAGES, gae.ADVANTAGE)
         # REINFORCE++'s advantages are shifted by the step's mean: none is known to be 0 before the step is whole
         self.skip_zero_advantage = cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0 and not self.per_step_advantages
         self.alarm = TruncationAlarm(cfg.pipeline.warn_truncated_frac, cfg.pipeline.warn_truncated_steps)
@@ -284,11 +273,17 @@ class TrainerLoop:
             self._add_groups(data, groups)
             if incremental:
                 self._run(data, False, n_seq, 0, stats)
-        if self.per_step_advantages:
+        work: CriticWork | None = None
+        if self.critic is not None:
+            work = gae_step(data, self.cfg, self.critic)
+        elif self.per_step_advantages:
             self._step_advantages(data)
         masked = set(data.masked)
         n_tok = count_loss_tokens([s for i, s in enumerate(data.samples) if i not in masked])
-        self._run(data, True, n_seq, n_tok, stats)
+        warmup = self.critic is not None and self.policy.version < self.cfg.critic.warmup_steps
+        if not warmup:  # a critic warm-up step: no policy gradient, so its optimizer step changes nothing
+            self._run(data, True, n_seq, n_tok, stats)
+        critic_stats = work.train(self.critic) if work is not None else {}
         tw = time.time()
         self.settle_push(block=True)  # the optimizer writes the weights the previous push may still be reading
         push_wait_s = time.time() - tw
@@ -304,7 +299,7 @@ class TrainerLoop:
                 self.publish(version)
             self.start_push(version)
         step_s = time.time() - t0
-        loss = merge_stats(stats)
+        loss = merge_stats(stats) if stats else derive_stats(dict.fromkeys(SUM_KEYS + MAX_KEYS, 0.0))
         record = {
             **{k: loss[k] for k in ("loss", "ratio_mean", "ratio_max", "clip_frac", "mask_frac", "ess", "kl",
                                     "entropy")},
@@ -323,7 +318,7 @@ class TrainerLoop:
             "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
-        if self.per_step_advantages:
+        if self.per_step_advantages and self.critic is None:
             record["kl_reward"] = data.kl_reward
         if self.cfg.actor.dynamic_sampling:
             record.update(refill_stats(self.order.pop_passed(), data.samples, gps))
@@ -333,6 +328,8 @@ class TrainerLoop:
                     f"{record['groups_capped']} of {gps} groups still had equal rewards on their last try "
                     f"(actor.dynamic_sampling_max_tries={self.cfg.actor.dynamic_sampling_max_tries}) and were "
                     "trained with zero advantage; the task may be too easy or too hard for the model"))
+        if work is not None:
+            record.update(critic_stats, critic_warmup=warmup)
         self.log.log("train_step", step=version, **record)
         self.warn_truncation(version, record["truncated_frac"])
         return record
@@ -444,7 +441,7 @@ class TrainerLoop:
         name = "final" if final else f"step_{self.policy.version:06d}"
         t0 = time.time()
         path = save_checkpoint(self.run_dir / "checkpoints", name, self.policy, self.checkpoint_state(),
-                               self.cfg.pipeline.keep_checkpoints)
+                               self.cfg.pipeline.keep_checkpoints, critic=self.critic)
         self.log.log("checkpoint", step=self.policy.version, path=str(path), next_group=self.order.next_index,
                      samples_total=self.samples_trained, seconds=time.time() - t0)
         return path

@@ -1,0 +1,175 @@
+"""The value model of PPO with a critic (`algo.advantage: gae`, `critic:`), on the single-device trainer.
+
+    critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.trainer, cfg.critic)
+    critic.init()
+    values = critic.values(samples)                    # V(s_t) per completion token, the current weights, no grad
+    stats = critic.train(samples, values, returns)     # clipped value loss, critic.mini_batches optimizer steps
+    critic.save(folder); critic.load(folder)           # weights + optimizer + scheduler, exactly
+
+The model is the causal LM at `model_path` with its output embedding replaced by a scalar head (a linear layer
+[hidden -> 1] with a bias, both 0 at the start, so every first value is 0): the packed forward, shared prompts,
+fused CPU kernels, gradient checkpointing and LoRA of the policy's trainer (logprobs.py, single.py) run it as they
+run the policy, and its "logits" [T, 1] are the values. V(s_t) of completion token t is the output at the token
+before t (the state that token was sampled in), as the policy's logprob of t is predicted there. With trainer.lora
+the critic trains an adapter of its own (same rank, alpha and targets) on its own copy of the base, plus the head in
+full; without, the whole critic. Its optimizer is AdamW at critic.lr (0: trainer.lr) with critic.weight_decay and
+the trainer's betas, schedule (stepped once per trainer step) and max_grad_norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from inflight.algo.gae import clipped_value_loss
+from inflight.config.critic import CriticConfig
+from inflight.config.trainer import TrainerConfig
+from inflight.contracts import Sample, TrainBatch
+from inflight.trainer.kernels.fused import fuse_modules
+from inflight.trainer.logprobs import packed_logits
+from inflight.trainer.optim import build_optimizer
+from inflight.trainer.packing import collate, completion_slices, count_loss_tokens, first_fit_decreasing
+from inflight.trainer.single import attn_implementation, autocast, for_training
+
+WEIGHTS = "critic.safetensors"  # the trained tensors by parameter name (LoRA: the adapter and the head)
+TRAIN_STATE = "train_state.pt"  # optimizer and scheduler (torch.load(weights_only=True) reads it)
+
+
+def critic_trainer_config(trainer: TrainerConfig, critic: CriticConfig) -> TrainerConfig:
+    """The trainer's settings with the critic's lr and weight decay; no chunked head (the head is not a vocabulary)."""
+    return replace(trainer, lr=critic.lr or trainer.lr, weight_decay=critic.weight_decay, chunked_head=False)
+
+
+def spread(samples: Sequence[Sample], rows: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Per-completion-token values laid out like collate's batch of these samples (0 on prompt tokens)."""
+    out: list[float] = []
+    for s, row in zip(samples, rows, strict=True):
+        if len(row) != len(s.completion_ids):
+            raise ValueError(f"{len(s.completion_ids)} completion tokens but {len(row)} values")
+        out += [0.0] * len(s.prompt_ids) + [float(x) for x in row]
+    return torch.tensor(out, dtype=torch.float32)
+
+
+class Critic:
+    """Attributes: model (the HF model with the value head), optimizer, scheduler, steps (trainer steps trained)."""
+
+    share_prompts = True
+
+    def __init__(self, model_path: str, trainer: TrainerConfig, cfg: CriticConfig):
+        self.model_path = str(model_path)
+        self.cfg = cfg
+        self.tcfg = critic_trainer_config(trainer, cfg)
+        self.device = torch.device(self.tcfg.device)
+        self.model: PreTrainedModel | None = None
+        self.steps = 0
+
+    def init(self) -> None:
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.tcfg))
+        head = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        model.config.tie_word_embeddings = False  # the head is no longer the input embedding's transpose
+        model.set_output_embeddings(head)
+        model.to(self.device)  # type: ignore[arg-type]  # in place (see single.load_model)
+        model = for_training(model, self.tcfg, self.model_path)
+        head.requires_grad_(True)  # with LoRA only the adapter was left trainable: the head trains in full
+        if self.device.type == "cpu":
+            fuse_modules(model)
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), self.tcfg)
+
+    def _require_init(self) -> PreTrainedModel:
+        if self.model is None:
+            raise RuntimeError("call init() first")
+        return self.model
+
+    def _values(self, batch: TrainBatch) -> torch.Tensor:
+        """[T] float32: V of token t's state = the head at token t − 1; 0 on each sample's first token."""
+        model = self._require_init()
+        with autocast(self.tcfg, self.device):
+            out = packed_logits(model, batch, self.device, self.share_prompts)[:, 0].float()
+        shifted = torch.cat([out.new_zeros(1), out[:-1]])
+        first = batch.position_ids.to(out.device) == 0
+        return torch.where(first, torch.zeros_like(shifted), shifted)
+
+    @torch.no_grad()
+    def values(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """V(s_t) of every completion token of every sample under the current weights (one list per sample)."""
+        model = self._require_init()
+        model.eval()
+        out: list[list[float]] = [[] for _ in samples]
+        for b in first_fit_decreasing([len(s) for s in samples], self.tcfg.micro_batch_tokens):
+            part = [samples[j] for j in b]
+            v = self._values(collate(part, [0.0] * len(part), 1, 1, with_versions=False)).double().cpu().tolist()
+            for j, (lo, hi) in zip(b, completion_slices(part), strict=True):
+                out[j] = v[lo:hi]
+        return out
+
+    def train(self, samples: Sequence[Sample], old_values: Sequence[Sequence[float]],
+              returns: Sequence[Sequence[float]]) -> dict[str, float]:
+        """critic.mini_batches optimizer steps on consecutive slices of the samples, each minimising the mean over its
+        trained tokens of the clipped value loss (algo/gae.py) around `old_values`; then one scheduler step."""
+        model = self._require_init()
+        model.train()
+        n = len(samples)
+        k = max(1, min(self.cfg.mini_batches, n))
+        loss_sum, tokens, clipped, norms = 0.0, 0, 0.0, []
+        lr = self.scheduler.get_last_lr()[0]
+        for part_idx in (list(range(i * n // k, (i + 1) * n // k)) for i in range(k)):
+            part = [samples[i] for i in part_idx]
+            n_tok = count_loss_tokens(part)
+            for b in first_fit_decreasing([len(s) for s in part], self.tcfg.micro_batch_tokens):
+                mb = [part[j] for j in b]
+                rows: list[float | list[float]] = [list(returns[part_idx[j]]) for j in b]
+                batch = collate(mb, rows, 1, 1, with_versions=False)
+                old = spread(mb, [old_values[part_idx[j]] for j in b]).to(self.device)
+                ret, m = batch.advantages.to(self.device), batch.loss_mask.to(self.device) > 0
+                per_token, clip = clipped_value_loss(self._values(batch), old, ret, self.cfg.value_clip)
+                per_token = torch.where(m, per_token, torch.zeros_like(per_token))
+                (per_token.sum() / max(n_tok, 1)).backward()
+                loss_sum += float(per_token.detach().double().sum())
+                clipped += float((clip & m).sum())
+            tokens += n_tok
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.tcfg.max_grad_norm)
+            norms.append(float(norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.steps += 1
+        return {"value_loss": loss_sum / max(tokens, 1), "value_clip_frac": clipped / max(tokens, 1),
+                "critic_grad_norm": sum(norms) / len(norms), "critic_lr": float(lr)}
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self._require_init().named_parameters() if p.requires_grad}
+
+    def save(self, out_dir: str | Path) -> None:
+        """critic.safetensors (the trained tensors) and train_state.pt (optimizer, scheduler, steps) in `out_dir`."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: p.detach().cpu().contiguous() for n, p in self.trained_tensors().items()}, str(out / WEIGHTS),
+                  metadata={"format": "pt"})
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "steps": self.steps}, out / TRAIN_STATE)
+
+    def load(self, folder: str | Path) -> None:
+        """What `save` wrote, into this critic (built from the same model path and settings), exactly."""
+        folder = Path(folder)
+        state = load_file(str(folder / WEIGHTS))
+        mine = self.trained_tensors()
+        shapes = {n: tuple(p.shape) for n, p in mine.items()}
+        if shapes != {n: tuple(t.shape) for n, t in state.items()}:
+            raise ValueError(f"the critic in {folder} does not fit this critic (its tensors: {len(state)}, here: "
+                             f"{len(mine)}): resume with the run's model, critic.model_path and trainer.lora")
+        with torch.no_grad():
+            for name, p in mine.items():
+                p.copy_(state[name])
+        extra = torch.load(folder / TRAIN_STATE, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(extra["optimizer"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.steps = int(extra["steps"])
