@@ -15,6 +15,8 @@ one that predicts t), as the policy's logprob of t is. Tokens that are not train
 episode, a sample's first token without a prompt) are skipped: the next state of a trained token is the next trained
 one. The step's advantages need the critic's values of every sample first, so the trainer loop computes them once
 the step's samples are all in (trainer/loop/step_advantages.py). Plain Python float64 here, torch for the loss.
+With FSDP2 each rank passes its own share and `total` (reinforce_pp.Total: a list of floats summed over the ranks), so
+the whitening uses the statistics of every rank's tokens; the single trainer leaves `total` out.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from inflight.algo.reinforce_pp import Total, one_rank
 from inflight.config.algo import AlgoConfig
 from inflight.config.critic import CriticConfig
 
@@ -46,44 +49,47 @@ def sample_gae(reward: float, values: Sequence[float], trained: Sequence[bool], 
     return adv, ret
 
 
-def whiten(rows: list[list[float]], trained: Sequence[Sequence[bool]]) -> list[list[float]]:
+def whiten(rows: list[list[float]], trained: Sequence[Sequence[bool]], total: Total = one_rank
+           ) -> list[list[float]]:
     """(x − mean) / sqrt(var + 1e-8) over the trained entries of all rows (var unbiased; 0 for one entry); the
-    others stay 0."""
+    others stay 0. With `total`, over every rank's entries (a collective: every rank calls it)."""
     flat = [x for row, m in zip(rows, trained, strict=True) for x, on in zip(row, m, strict=True) if on]
-    if not flat:
+    # two passes (the mean, then the squared deviations from it): the same formula on one rank or N
+    n, s = total([float(len(flat)), math.fsum(flat)])
+    if not n:
         return [[0.0] * len(row) for row in rows]
-    mean = math.fsum(flat) / len(flat)
-    var = math.fsum((x - mean) ** 2 for x in flat) / (len(flat) - 1) if len(flat) > 1 else 0.0
+    mean = s / n
+    (sq,) = total([math.fsum((x - mean) ** 2 for x in flat)])
+    var = sq / (n - 1) if n > 1 else 0.0
     scale = 1.0 / math.sqrt(var + WHITEN_EPS)
     return [[(x - mean) * scale if on else 0.0 for x, on in zip(row, m, strict=True)]
             for row, m in zip(rows, trained, strict=True)]
 
 
 def step_advantages(rewards: Sequence[float], values: Sequence[Sequence[float]], trained: Sequence[Sequence[bool]],
-                    cfg: AlgoConfig) -> tuple[list[list[float]], list[list[float]]]:
-    """Per-token advantages (whitened over the step when cfg.gae_whiten) and returns of every sample of the step."""
+                    cfg: AlgoConfig, total: Total = one_rank) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-token advantages (whitened over the step when cfg.gae_whiten) and returns of every sample of the step;
+    with `total`, of this rank's share, whitened with the statistics of every rank's (collective)."""
     pairs = [sample_gae(r, v, m, cfg.gamma, cfg.lam) for r, v, m in zip(rewards, values, trained, strict=True)]
     adv = [a for a, _ in pairs]
     if cfg.gae_whiten:
-        adv = whiten(adv, trained)
+        adv = whiten(adv, trained, total)
     return adv, [r for _, r in pairs]
 
 
 def explained_variance(values: Sequence[Sequence[float]], returns: Sequence[Sequence[float]],
-                       trained: Sequence[Sequence[bool]]) -> float:
+                       trained: Sequence[Sequence[bool]], total: Total = one_rank) -> float:
     """1 − Var(R − V) / Var(R) over the trained tokens (1: V predicts R exactly; 0: no better than R's mean, and 0
-    when the returns do not vary)."""
+    when the returns do not vary); with `total`, over every rank's tokens (collective)."""
     pairs = [(r, v) for vr, rr, m in zip(values, returns, trained, strict=True)
              for v, r, on in zip(vr, rr, m, strict=True) if on]
-    if len(pairs) < 2:
+    n, sum_r, sum_d = total([float(len(pairs)), math.fsum(r for r, _ in pairs), math.fsum(r - v for r, v in pairs)])
+    if n < 2:
         return 0.0
-
-    def var(xs: list[float]) -> float:
-        mean = math.fsum(xs) / len(xs)
-        return math.fsum((x - mean) ** 2 for x in xs) / len(xs)
-
-    var_r = var([r for r, _ in pairs])
-    return 1.0 - var([r - v for r, v in pairs]) / var_r if var_r > 0 else 0.0
+    mean_r, mean_d = sum_r / n, sum_d / n
+    var_r, var_d = total([math.fsum((r - mean_r) ** 2 for r, _ in pairs),
+                          math.fsum((r - v - mean_d) ** 2 for r, v in pairs)])
+    return 1.0 - var_d / var_r if var_r > 0 else 0.0
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float

@@ -27,7 +27,7 @@ KL_ESTIMATORS = ("k1", "k2")
 Total = Callable[[list[float]], list[float]]  # element-wise sum of a list over the ranks
 
 
-def _one_rank(values: list[float]) -> list[float]:
+def one_rank(values: list[float]) -> list[float]:
     return list(values)
 
 
@@ -49,7 +49,7 @@ def kl_estimate(mu: float, ref: float, estimator: str) -> float:
 
 
 def mean_kl(mu: Sequence[Sequence[float]], ref: Sequence[Sequence[float]], trained: Sequence[Sequence[bool]],
-            estimator: str, total: Total = _one_rank) -> float:
+            estimator: str, total: Total = one_rank) -> float:
     """The mean KL estimate per trained token of the step (a metric)."""
     kl = [kl_estimate(m, r, estimator) for mr, rr, tr in zip(mu, ref, trained, strict=True)
           for m, r, on in zip(mr, rr, tr, strict=True) if on]
@@ -71,7 +71,7 @@ def returns(reward: float, mu: Sequence[float], ref: Sequence[float] | None, tra
 
 
 def step_advantages(rewards: Sequence[float], mu: Sequence[Sequence[float]], ref: Sequence[Sequence[float]] | None,
-                    trained: Sequence[Sequence[bool]], cfg: AlgoConfig, total: Total = _one_rank) -> list[list[float]]:
+                    trained: Sequence[Sequence[bool]], cfg: AlgoConfig, total: Total = one_rank) -> list[list[float]]:
     """Per-token advantages of every sample of the step (one list per sample, one value per completion token); with
     `total`, of this rank's share, normalised by the statistics of every rank's (a collective: every rank calls it,
     with or without samples)."""

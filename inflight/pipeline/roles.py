@@ -18,7 +18,7 @@ from inflight.config import RunConfig
 from inflight.pipeline.launch_common import wait_healthy
 from inflight.process import freeze_startup_objects, retain_freed_memory
 from inflight.report.metrics import MetricsLogger
-from inflight.trainer.critic import Critic
+from inflight.trainer.critic_fsdp import make_critic
 from inflight.trainer.factory import make_reference, make_trainer
 from inflight.trainer.loop.checkpoint import model_folder, restore_critic, restore_trainer
 from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
@@ -51,25 +51,23 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     # FSDP2 gathers weights with collectives, even at world 1: its pushes must not overlap the next step's
     # forward (TrainerLoop pushes on a thread meanwhile), so every FSDP2 run takes the distributed loop
     distributed = world > 1 or cfg.trainer.backend == "fsdp2"
-    if distributed and cfg.algo.advantage == gae.ADVANTAGE:  # the critic: TrainerLoop only
-        raise ValueError(f"algo.advantage={gae.ADVANTAGE} (PPO with a critic) runs on the single-device trainer only "
-                         f"(not yet with trainer.backend=fsdp2 or several ranks)")
     # the reference model (KL in the loss or in the return): the frozen starting weights (cfg.model.path, also on
     # resume; with LoRA the base alone), on the policy's backend: with fsdp2 every rank builds its shard (collective)
     needs_ref = cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
     ref = make_reference(cfg.model.path, cfg.trainer) if needs_ref else None
-    if distributed and rank > 0:
-        freeze_startup_objects()
-        DistributedTrainerLoop(cfg, policy, stream, None, None, run_dir, rank=rank, world_size=world,
-                               ref_policy=ref, resume=resume).run()
-        return
-    log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     critic = None
-    if cfg.algo.advantage == gae.ADVANTAGE:  # the value model, from its own path (also on resume), then its state
-        critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.trainer, cfg.critic)
+    if cfg.algo.advantage == gae.ADVANTAGE:  # the value model, from its own path (also on resume), then its state;
+        # with fsdp2 every rank builds its shard and reads the checkpoint (collective)
+        critic = make_critic(cfg.critic.model_path or cfg.model.path, cfg.trainer, cfg.critic)
         critic.init()
         if resume_from:
             restore_critic(critic, resume_from)
+    if distributed and rank > 0:
+        freeze_startup_objects()
+        DistributedTrainerLoop(cfg, policy, stream, None, None, run_dir, rank=rank, world_size=world,
+                               ref_policy=ref, resume=resume, critic=critic).run()
+        return
+    log = MetricsLogger(run_dir, "trainer", tensorboard=cfg.pipeline.tensorboard, wandb=cfg.pipeline.wandb)
     sync = make_weight_sync(cfg, server_urls)  # trainer.protocol: inflight | vllm | sglang
     wait_healthy(server_urls, [], startup_timeout(cfg), cfg.server.api_key)  # servers may still load
     sync.init_process_group()
@@ -79,7 +77,7 @@ def trainer_main(cfg: RunConfig, run_dir: str, server_urls: list[str], stream: A
     try:
         if distributed:
             DistributedTrainerLoop(cfg, policy, stream, sync, log, run_dir, rank=0, world_size=world,
-                                   ref_policy=ref, resume=resume).run()
+                                   ref_policy=ref, resume=resume, critic=critic).run()
         else:
             TrainerLoop(cfg, policy, stream, sync, log, run_dir, ref_policy=ref, resume=resume, critic=critic).run()
     finally:

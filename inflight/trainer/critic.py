@@ -1,4 +1,5 @@
-"""The value model of PPO with a critic (`algo.advantage: gae`, `critic:`), on the single-device trainer.
+"""The value model of PPO with a critic (`algo.advantage: gae`, `critic:`), on the single-device trainer (FSDP2: the
+subclass in critic_fsdp.py, whose `_rounds` / `_total` make values and train collective over the ranks).
 
     critic = Critic(cfg.critic.model_path or cfg.model.path, cfg.trainer, cfg.critic)
     critic.init()
@@ -30,6 +31,7 @@ from inflight.algo.gae import clipped_value_loss
 from inflight.config.critic import CriticConfig
 from inflight.config.trainer import TrainerConfig
 from inflight.contracts import Sample, TrainBatch
+from inflight.trainer.accumulate import empty_batch
 from inflight.trainer.kernels.fused import fuse_modules
 from inflight.trainer.logprobs import packed_logits
 from inflight.trainer.optim import build_optimizer
@@ -55,6 +57,19 @@ def spread(samples: Sequence[Sample], rows: Sequence[Sequence[float]]) -> torch.
     return torch.tensor(out, dtype=torch.float32)
 
 
+def add_value_head(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with its output embedding replaced by the value head [hidden -> 1] (zeros; on the meta device when
+    the model is there), in the model's dtype."""
+    p = next(model.parameters())
+    head = torch.nn.Linear(model.config.hidden_size, 1, bias=True, dtype=p.dtype, device=p.device)
+    if p.device.type != "meta":
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+    model.config.tie_word_embeddings = False  # the head is no longer the input embedding's transpose
+    model.set_output_embeddings(head)
+    return model
+
+
 class Critic:
     """Attributes: model (the HF model with the value head), optimizer, scheduler, steps (trainer steps trained)."""
 
@@ -69,13 +84,9 @@ class Critic:
         self.steps = 0
 
     def init(self) -> None:
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.tcfg))
-        head = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
-        torch.nn.init.zeros_(head.weight)
-        torch.nn.init.zeros_(head.bias)
-        model.config.tie_word_embeddings = False  # the head is no longer the input embedding's transpose
-        model.set_output_embeddings(head)
+        model: PreTrainedModel = add_value_head(AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.tcfg)))
+        head = model.get_output_embeddings()
         model.to(self.device)  # type: ignore[arg-type]  # in place (see single.load_model)
         model = for_training(model, self.tcfg, self.model_path)
         head.requires_grad_(True)  # with LoRA only the adapter was left trainable: the head trains in full
@@ -98,51 +109,74 @@ class Critic:
         first = batch.position_ids.to(out.device) == 0
         return torch.where(first, torch.zeros_like(shifted), shifted)
 
+    def _rounds(self, n: int) -> int:
+        """How many forwards (or backwards) every rank runs when this one has `n` (FSDP2: the most of any rank)."""
+        return n
+
+    def _total(self, values: list[float]) -> list[float]:
+        """`values` summed element-wise over the ranks (FSDP2); here: as they are."""
+        return list(values)
+
     @torch.no_grad()
     def values(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """V(s_t) of every completion token of every sample under the current weights (one list per sample)."""
+        """V(s_t) of every completion token of every sample under the current weights (one list per sample).
+        Collective with FSDP2 (a rank with fewer micro-batches runs stand-ins)."""
         model = self._require_init()
         model.eval()
         out: list[list[float]] = [[] for _ in samples]
-        for b in first_fit_decreasing([len(s) for s in samples], self.tcfg.micro_batch_tokens):
-            part = [samples[j] for j in b]
+        bins = first_fit_decreasing([len(s) for s in samples], self.tcfg.micro_batch_tokens) if samples else []
+        for k in range(self._rounds(len(bins))):
+            if k >= len(bins):
+                self._values(empty_batch(1, 1))  # this rank is done; the others' forwards need it
+                continue
+            part = [samples[j] for j in bins[k]]
             v = self._values(collate(part, [0.0] * len(part), 1, 1, with_versions=False)).double().cpu().tolist()
-            for j, (lo, hi) in zip(b, completion_slices(part), strict=True):
+            for j, (lo, hi) in zip(bins[k], completion_slices(part), strict=True):
                 out[j] = v[lo:hi]
         return out
 
     def train(self, samples: Sequence[Sample], old_values: Sequence[Sequence[float]],
-              returns: Sequence[Sequence[float]]) -> dict[str, float]:
-        """critic.mini_batches optimizer steps on consecutive slices of the samples, each minimising the mean over its
-        trained tokens of the clipped value loss (algo/gae.py) around `old_values`; then one scheduler step."""
+              returns: Sequence[Sequence[float]], index: Sequence[int] | None = None,
+              n_step: int | None = None) -> dict[str, float]:
+        """critic.mini_batches optimizer steps on consecutive slices of the step's samples, each minimising the mean
+        over its trained tokens of the clipped value loss (algo/gae.py) around `old_values`; then one scheduler step.
+        With FSDP2 each rank passes its share, `index` (each sample's position among the step's `n_step`): the
+        slices and their token counts are the whole step's, so N ranks take the single trainer's steps."""
         model = self._require_init()
         model.train()
-        n = len(samples)
+        n = len(samples) if n_step is None else n_step
+        pos = list(range(len(samples))) if index is None else list(index)
         k = max(1, min(self.cfg.mini_batches, n))
-        loss_sum, tokens, clipped, norms = 0.0, 0, 0.0, []
+        loss_sum, tokens, clipped, norms = 0.0, 0.0, 0.0, []
         lr = self.scheduler.get_last_lr()[0]
-        for part_idx in (list(range(i * n // k, (i + 1) * n // k)) for i in range(k)):
-            part = [samples[i] for i in part_idx]
-            n_tok = count_loss_tokens(part)
-            for b in first_fit_decreasing([len(s) for s in part], self.tcfg.micro_batch_tokens):
-                mb = [part[j] for j in b]
-                rows: list[float | list[float]] = [list(returns[part_idx[j]]) for j in b]
+        for i in range(k):
+            part_idx = [j for j, p in enumerate(pos) if i * n // k <= p < (i + 1) * n // k]
+            part = [samples[j] for j in part_idx]
+            (n_tok,) = self._total([float(count_loss_tokens(part))])  # the slice's tokens on every rank
+            bins = first_fit_decreasing([len(s) for s in part], self.tcfg.micro_batch_tokens) if part else []
+            for r in range(self._rounds(len(bins))):
+                if r >= len(bins):  # a stand-in: no gradient, but the others' backward collectives need it
+                    (self._values(empty_batch(1, 1)).sum() * 0.0).backward()
+                    continue
+                mb = [part[j] for j in bins[r]]
+                rows: list[float | list[float]] = [list(returns[part_idx[j]]) for j in bins[r]]
                 batch = collate(mb, rows, 1, 1, with_versions=False)
-                old = spread(mb, [old_values[part_idx[j]] for j in b]).to(self.device)
+                old = spread(mb, [old_values[part_idx[j]] for j in bins[r]]).to(self.device)
                 ret, m = batch.advantages.to(self.device), batch.loss_mask.to(self.device) > 0
                 per_token, clip = clipped_value_loss(self._values(batch), old, ret, self.cfg.value_clip)
                 per_token = torch.where(m, per_token, torch.zeros_like(per_token))
-                (per_token.sum() / max(n_tok, 1)).backward()
+                (per_token.sum() / max(n_tok, 1.0)).backward()
                 loss_sum += float(per_token.detach().double().sum())
                 clipped += float((clip & m).sum())
             tokens += n_tok
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.tcfg.max_grad_norm)
-            norms.append(float(norm))
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # sharded (FSDP2)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.steps += 1
-        return {"value_loss": loss_sum / max(tokens, 1), "value_clip_frac": clipped / max(tokens, 1),
+        loss_sum, clipped = self._total([loss_sum, clipped])
+        return {"value_loss": loss_sum / max(tokens, 1.0), "value_clip_frac": clipped / max(tokens, 1.0),
                 "critic_grad_norm": sum(norms) / len(norms), "critic_lr": float(lr)}
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
@@ -170,6 +204,9 @@ class Critic:
             for name, p in mine.items():
                 p.copy_(state[name])
         extra = torch.load(folder / TRAIN_STATE, map_location="cpu", weights_only=True)
+        if extra.get("backend", "single") != "single":
+            raise ValueError(f"the critic in {folder} was trained with trainer.backend={extra['backend']}: resume it "
+                             "with that backend")
         self.optimizer.load_state_dict(extra["optimizer"])
         self.scheduler.load_state_dict(extra["scheduler"])
         self.steps = int(extra["steps"])

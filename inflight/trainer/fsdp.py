@@ -91,7 +91,7 @@ class FSDP2Trainer(SingleDeviceTrainer):
         # every rank builds the model on the meta device, shards it, allocates its shard on the device, and gets
         # the values from rank 0: parameters and persistent buffers by set_model_state_dict(broadcast_from_rank0),
         # non-persistent buffers (rotary inv_freq) by a broadcast each.
-        source = load_model(self.model_path, self.cfg, "cpu") if self.rank == 0 else None
+        source = self._source_model("cpu") if self.rank == 0 else None
         model = self._meta_model()
         if self.frozen:  # before sharding: FSDP2 makes its sharded parameters with the same requires_grad
             freeze(model)
@@ -139,10 +139,14 @@ class FSDP2Trainer(SingleDeviceTrainer):
         """One rank: nothing to shard. The plain module, as the single-device trainer holds it (float32 weights and
         gradients, bf16-mixed by autocast), without FSDP's per-block copies and hooks; every collective method keeps
         working on it."""
-        self.model = load_model(self.model_path, self.cfg, self.device)
+        self.model = self._source_model(self.device)
         if self.device.type == "cpu":
             fuse_modules(self.model)  # as SingleDeviceTrainer.init
         self._finish_init()
+
+    def _source_model(self, device: torch.device | str) -> PreTrainedModel:
+        """The model read from model_path (rank 0's source of the values; the plain module at one rank)."""
+        return load_model(self.model_path, self.cfg, device)
 
     def _meta_model(self) -> PreTrainedModel:
         """The architecture of model_path with no storage (tied weights tied, as from_pretrained ties them)."""

@@ -4,8 +4,10 @@ usage: python fsdp_losses_worker.py POLICY_DIR REF_DIR GROUPS_FILE RUN_DIR OUT_F
 For each of configs(): a fresh FSDP2 policy from POLICY_DIR takes one optimizer step through the pipeline's own
 DistributedTrainerLoop.step (rank 0 reads the groups of GROUPS_FILE from a MemoryStream and sends every rank its
 share), with the KL term's reference from REF_DIR built once by make_reference (sharded like the policy). Rank 0
-saves every config's step record, gradients, weights after the step, and (REINFORCE++) every rank's per-token
-advantages (float64, as per_token_advantages returned them) with torch.save.
+saves every config's step record, gradients, weights after the step, and (REINFORCE++, GAE) every rank's per-token
+advantages (float64, as per_token_advantages / gae_advantages returned them) with torch.save. GAE: the critic is an
+FSDP2Critic built on every rank (its head set by perturb_head, so the values are not all 0); the critic's weights
+after the step are saved too, and once its checkpoint is written, read into a fresh critic and compared.
 """
 
 import os
@@ -42,11 +44,44 @@ def configs() -> list[dict]:
     out += [dict(advantage=a, kl_reward_coef=kl) for a in ("reinforce_pp", "reinforce_pp_baseline") for kl in (0.0, KL)]
     out.append(dict(advantage="reinforce_pp_baseline", kl_reward_coef=KL, groups=3))
     out.append(dict(advantage="reinforce_pp", kl_reward_coef=KL, kl_reward_estimator="k2", groups=3))
+    # PPO with a critic (GAE): the critic sharded like the policy; once with 2 critic mini-batches on 3 groups (an
+    # uneven share whose slices cut across the ranks' shares; the checkpoint round trip there), once a warm-up step
+    out.append(dict(advantage="gae", loss="ppo", gamma=0.99, lam=0.95))
+    out.append(dict(advantage="gae", loss="ppo", groups=3, critic_mini_batches=2, critic_value_clip=0.2))
+    out.append(dict(advantage="gae", loss="ppo", critic_warmup_steps=1))
     return out
+
+
+def is_gae(algo: dict) -> bool:
+    return algo.get("advantage") == "gae"
+
+
+def perturb_head(critic) -> None:
+    """A value head with weights (the same on both sides: seeded, float64), so that the values, GAE's advantages and
+    the body's gradients are not trivially 0 at step 1."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = critic.model
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    head = {"lm_head.weight": 0.05 * torch.randn(1, hidden, generator=gen, dtype=torch.float64),
+            "lm_head.bias": torch.tensor([0.1], dtype=torch.float64)}
+    set_model_state_dict(model, head, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def needs_ref(cfg: RunConfig) -> bool:
     return cfg.algo.kl_coef > 0 or cfg.algo.kl_reward_coef > 0
+
+
+def recording_gae(real, seen: dict):
+    """`real` (step_advantages.gae_advantages) that keeps each sample's per-token advantages in `seen`, as
+    `recording` does."""
+    def gae_advantages(samples, *args, **kwargs):
+        advantages, work = real(samples, *args, **kwargs)
+        seen.update({",".join(map(str, s.prompt_ids + s.completion_ids)): list(a)
+                     for s, a in zip(samples, advantages, strict=True)})
+        return advantages, work
+    return gae_advantages
 
 
 def recording(real, seen: dict):
@@ -77,7 +112,9 @@ def run_config(algo: dict, backend: str) -> RunConfig:
                                 lora=LoraConfig(**LORA) if algo.get("lora") else None)
     cfg.algo.is_cap = cfg.algo.behaviour_cap = cfg.algo.aipo_rho = 1.5  # caps that act on some tokens (ratios to 2)
     for k, v in algo.items():
-        if k not in ("lora", "groups"):
+        if k.startswith("critic_"):
+            setattr(cfg.critic, k.removeprefix("critic_"), v)
+        elif k not in ("lora", "groups"):
             setattr(cfg.algo, k, v)
     return cfg
 
@@ -110,15 +147,38 @@ def capture_grads(policy) -> dict:
     return grads
 
 
+def resume_check(critic, folder: Path, cfg: RunConfig) -> dict:
+    """Collective: the critic's checkpoint (rank 0 writes it) read into a fresh FSDP2Critic; the largest difference
+    of their weights and optimizer state (gathered whole), and whether scheduler and step count came back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from inflight.trainer.critic_fsdp import FSDP2Critic
+
+    critic.save(folder)
+    fresh = FSDP2Critic(critic.model_path, cfg.trainer, cfg.critic)
+    fresh.init()
+    fresh.load(folder)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    a, b = critic.full_state(), fresh.full_state()
+    oa, ob = (get_optimizer_state_dict(c.model, c.optimizer, options=opts).get("state", {}) for c in (critic, fresh))
+    if not a:  # only rank 0 gets the gathered tensors
+        return {}
+    worst = max((a[n] - b[n]).abs().max().item() for n in a)
+    opt = max((oa[n][k] - ob[n][k]).abs().max().item() for n in oa for k in oa[n] if torch.is_tensor(oa[n][k]))
+    return {"weights": worst, "optimizer": opt, "tensors": len(oa), "steps": (critic.steps, fresh.steps),
+            "scheduler": critic.scheduler.state_dict() == fresh.scheduler.state_dict()}
+
+
 def read_groups(path: str) -> list:
     return [decode_group(b) for b in msgpack.unpackb(Path(path).read_bytes())]
 
 
 def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str) -> None:
     from inflight.report.metrics import MetricsLogger
+    from inflight.trainer.critic_fsdp import FSDP2Critic
     from inflight.trainer.loop import fsdp_loop
     from inflight.trainer.loop.fsdp_loop import DistributedTrainerLoop
-    from inflight.trainer.loop.step_advantages import per_token_advantages
+    from inflight.trainer.loop.step_advantages import gae_advantages, per_token_advantages
 
     default_group_refuses_cpu_tensors()  # as NCCL would on CUDA: CPU collectives must take the trainer's cpu_group
     use_float64()
@@ -141,23 +201,33 @@ def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str
         stream, log = (MemoryStream(), MetricsLogger(Path(run_dir) / str(i), "trainer")) if rank == 0 else (None, None)
         if stream is not None:
             stream.put(read_groups(groups_file))
+        critic = None
+        if is_gae(algo):  # collective: every rank builds its shard
+            critic = FSDP2Critic(policy_dir, cfg.trainer, cfg.critic)
+            critic.init()
+            assert all(hasattr(p, "full_tensor") and p.dtype == torch.float64 for p in critic.model.parameters())
+            perturb_head(critic)
         loop = DistributedTrainerLoop(cfg, policy, stream, None, log, run_dir, rank=rank, world_size=world,
-                                      ref_policy=ref if needs_ref(cfg) else None)
+                                      ref_policy=ref if needs_ref(cfg) else None, critic=critic)
         grads = capture_grads(policy)
         advantages: dict = {}
         fsdp_loop.per_token_advantages = recording(per_token_advantages, advantages)
+        fsdp_loop.gae_advantages = recording_gae(gae_advantages, advantages)
         record = loop.step()
         weights = {n: w.clone() for n, w in policy.named_weights()}  # collective
+        critic_weights = critic.full_state() if critic is not None else {}  # collective
+        resumed = resume_check(critic, Path(run_dir) / f"critic_{i}", cfg) if algo.get("groups") == 3 and critic else {}
         shares: list = [None] * world
         torch.distributed.all_gather_object(shares, (advantages, stand_ins[0]), group=policy.cpu_group)
         stand_ins[0] = 0
         if rank == 0:
             results.append({"algo": algo, "record": {k: v for k, v in record.items() if isinstance(v, float)},
                             "weights": weights, "grads": grads, "shares": [len(a) for a, _ in shares],
+                            "critic_weights": critic_weights, "resumed": resumed,
                             "stand_ins": [n for _, n in shares],
                             "advantages": {k: v for a, _ in shares for k, v in a.items()}})
             log.close()
-        del loop, policy
+        del loop, policy, critic
     if torch.distributed.get_rank() == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()

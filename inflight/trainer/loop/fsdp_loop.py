@@ -2,7 +2,8 @@
 groups in start order and sends every rank its share (msgpack bytes, the stream's own encoding, never pickle)
 over the trainer's gloo group (cpu_group); all ranks then run the collective forward/backward (StepAccumulator keeps their
 micro-batch counts equal; decoupled PPO's pi_prox and the KL reference's logprobs are collective forwards before
-each backward; REINFORCE++'s advantages take the step's statistics summed over the ranks, step_advantages.py), the
+each backward; REINFORCE++'s and GAE's advantages take the step's statistics summed over the ranks, the critic's
+values and its update being collectives over each rank's share, step_advantages.py and trainer/critic_fsdp.py), the
 optimizer step, and the weight gather (once per push, on every rank) whose result rank 0 sends to the servers,
 with the single trainer's retries (a restarted server rejoins the weight group)."""
 
@@ -24,7 +25,7 @@ from inflight.config import RunConfig
 from inflight.contracts import Group
 from inflight.trainer.loop.checkpoint import CheckpointState
 from inflight.trainer.loop.completions import completion_stats
-from inflight.trainer.loop.step_advantages import per_token_advantages
+from inflight.trainer.loop.step_advantages import CriticWork, gae_advantages, per_token_advantages
 from inflight.trainer.loop.trainer_loop import StopTraining, TrainerLoop, needs_prox, version_mix
 from inflight.streams.serialize import decode_group, encode_group
 from inflight.trainer.accumulate import StepAccumulator
@@ -67,10 +68,12 @@ def reduce_loss_stats(stats: dict[str, float], group: Any) -> dict[str, float]:
 
 class DistributedTrainerLoop(TrainerLoop):
     def __init__(self, cfg: RunConfig, policy: Any, stream: Any, sync_client: Any, log: Any, run_dir: str | Path, *,
-                 rank: int, world_size: int, ref_policy: Any = None, resume: CheckpointState | None = None):
-        """`ref_policy`: the KL term's frozen reference (factory.make_reference), sharded over the same ranks; every
-        rank passes its own."""
-        super().__init__(cfg, policy, stream, sync_client, log, run_dir, ref_policy=ref_policy, resume=resume)
+                 rank: int, world_size: int, ref_policy: Any = None, resume: CheckpointState | None = None,
+                 critic: Any = None):
+        """`ref_policy`: the KL term's frozen reference (factory.make_reference), `critic`: the value model
+        (critic_fsdp.FSDP2Critic), both sharded over the same ranks; every rank passes its own."""
+        super().__init__(cfg, policy, stream, sync_client, log, run_dir, ref_policy=ref_policy, resume=resume,
+                         critic=critic)
         self.rank, self.world = rank, world_size
 
     def _collect(self) -> tuple[list, float, bool]:
@@ -115,13 +118,22 @@ class DistributedTrainerLoop(TrainerLoop):
         kept = [(s, a) for g, adv in zip(mine, advs, strict=True) for s, a in zip(g, adv, strict=True)
                 if trains(s, self.cfg.algo.truncated)]
         kl_reward = 0.0
-        if self.per_step_advantages:  # collective: the step's statistics over every rank's tokens
+        work: CriticWork | None = None  # GAE: what the critic trains on once the policy's step is done
+        if self.critic is not None:  # collective: the critic's values of this share, whitened over every rank's
+            per_token, work = gae_advantages([s for s, _ in kept], [a for _, a in kept], self.cfg, self.critic,
+                                             self.world, self.policy.cpu_group)
+            kept = [(s, a) for (s, _), a in zip(kept, per_token, strict=True)]
+            work.index, work.n_step = self._step_positions(everything)
+        elif self.per_step_advantages:  # collective: the step's statistics over every rank's tokens
             per_token, kl_reward = per_token_advantages([s for s, _ in kept], [a for _, a in kept], self.cfg,
                                                         self.ref_policy, self.world, self.policy.cpu_group)
             kept = [(s, a) for (s, _), a in zip(kept, per_token, strict=True)]
-        acc.add([s for s, _ in kept], [a for _, a in kept])
+        warmup = self.critic is not None and self.policy.version < self.cfg.critic.warmup_steps
+        if not warmup:  # a critic warm-up step: no policy gradient (every rank alike), the optimizer step changes nothing
+            acc.add([s for s, _ in kept], [a for _, a in kept])
         stats = acc.finish()  # collective: backward on the rest, then the optimizer step
         loss = reduce_loss_stats(stats, self.policy.cpu_group)
+        critic_stats = work.train(self.critic) if work is not None else {}  # collective
         version = self.policy.version
         t_train = time.time() - t0 - wait_s
         samples = [s for g in everything for s in g]
@@ -152,8 +164,10 @@ class DistributedTrainerLoop(TrainerLoop):
             "published_version": self.published_version, "skipped_groups": len(self.order.skipped),
             "elapsed_s": time.time() - self.started,
         }
-        if self.per_step_advantages:
+        if self.per_step_advantages and work is None:
             record["kl_reward"] = kl_reward
+        if work is not None:
+            record.update(critic_stats, critic_warmup=warmup)
         if self.cfg.actor.dynamic_sampling:
             record.update(refill_stats(self.order.pop_passed(), samples, self.cfg.actor.groups_per_step))
         self.log.log("train_step", step=version, **record)
@@ -167,6 +181,20 @@ class DistributedTrainerLoop(TrainerLoop):
             return super().checkpoint(final)
         self.policy.save("")
         self.policy.train_state()
+        if self.critic is not None:  # save_checkpoint's third collective
+            self.critic.save("")
+
+    def _step_positions(self, everything: list[Group]) -> tuple[list[int], int]:
+        """This rank's trained samples' positions among the whole step's (in the single trainer's order: groups as
+        taken, samples in their group), and how many the step trains: the critic's mini-batches slice the step."""
+        mine, n = [], 0
+        for gi, g in enumerate(everything):
+            for s in g:
+                if trains(s, self.cfg.algo.truncated):
+                    if gi % self.world == self.rank:
+                        mine.append(n)
+                    n += 1
+        return mine, n
 
     def _send_weights(self, version: int) -> None:
         """Collective: every rank gathers the weights once, each shard cast to the servers' dtype first; rank 0

@@ -7,13 +7,17 @@
   many as the rank with the most, a rank short of work running stand-ins (accumulate.empty_batch). The step's
   statistics (mean and std of the returns, mean KL) are then sums over every rank's tokens, in float64 on the gloo
   cpu_group: every rank gets the advantages the single trainer would give its samples.
-- GAE (`algo.advantage: gae`, algo/gae.py; the single trainer): the critic's current values of every trained sample,
-  then GAE per sample and the whitening over the step (`gae_step`); the critic trains on the returns once the
-  policy's backward has used the advantages (`CriticWork.train`).
+- GAE (`algo.advantage: gae`, algo/gae.py): the critic's current values of every trained sample the caller holds,
+  then GAE per sample and the whitening over the step (`gae_advantages`; the single trainer through `gae_step`); the
+  critic trains on the returns once the policy's backward has used the advantages (`CriticWork.train`). With FSDP2
+  the critic is sharded like the policy (trainer/critic_fsdp.py): its forwards and backwards are collectives (every
+  rank runs as many, with stand-ins), the whitening statistics and the value loss's token counts are sums over the
+  ranks, so each rank's share gets what the single trainer would give it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,37 +111,52 @@ def per_token_advantages(samples: list[Sample], rewards: list[float], cfg: RunCo
 
 @dataclass
 class CriticWork:
-    """The step's trained samples with the critic's values (before its update) and their GAE returns."""
+    """The step's trained samples (an FSDP2 rank: its share) with the critic's values (before its update) and their
+    GAE returns. `index`: each sample's position among the whole step's trained samples and `n_step` their number
+    (the critic's mini-batches are slices of the whole step); `total`: sums over the ranks."""
 
     samples: list[Sample]
     values: list[list[float]]
     returns: list[list[float]]
     trained: list[list[bool]]
+    index: list[int] | None = None  # None: the single trainer, positions 0..n-1
+    n_step: int | None = None
+    total: reinforce_pp.Total = field(default=reinforce_pp.one_rank)
 
     def stats(self) -> dict[str, float]:
         flat = [v for row, m in zip(self.values, self.trained, strict=True) for v, on in zip(row, m, strict=True) if on]
         ret = [r for row, m in zip(self.returns, self.trained, strict=True) for r, on in zip(row, m, strict=True)
                if on]
-        return {"explained_variance": gae.explained_variance(self.values, self.returns, self.trained),
-                "value_mean": sum(flat) / max(1, len(flat)), "returns_mean": sum(ret) / max(1, len(ret))}
+        n, sum_v, sum_r = self.total([float(len(flat)), math.fsum(flat), math.fsum(ret)])
+        return {"explained_variance": gae.explained_variance(self.values, self.returns, self.trained, self.total),
+                "value_mean": sum_v / max(1.0, n), "returns_mean": sum_r / max(1.0, n)}
 
     def train(self, critic: Any) -> dict[str, float]:
         """The critic's update on this step's returns; its stats with the values' (explained variance: of the values
-        the advantages used)."""
-        if not self.samples:
+        the advantages used). Collective with FSDP2."""
+        n_step = len(self.samples) if self.n_step is None else self.n_step
+        if not n_step:
             return {**self.stats(), "value_loss": 0.0, "value_clip_frac": 0.0}
-        return {**self.stats(), **critic.train(self.samples, self.values, self.returns)}
+        return {**self.stats(), **critic.train(self.samples, self.values, self.returns, self.index, n_step)}
+
+
+def gae_advantages(samples: list[Sample], rewards: list[float], cfg: RunConfig, critic: Any, world: int = 1,
+                   group: Any = None) -> tuple[list[list[float]], CriticWork]:
+    """GAE: the per-token advantages of `samples` (rewards `rewards`) from the critic's current values, whitened over
+    the step (with world > 1: over every rank's tokens, a collective), and what the critic then trains on."""
+    trained = [trained_tokens(s) for s in samples]
+    values = critic.values(samples)
+    total = sum_over_ranks(world, group)
+    adv, returns = gae.step_advantages(rewards, values, trained, cfg.algo, total)
+    return adv, CriticWork(samples, values, returns, trained, total=total)
 
 
 def gae_step(data: StepData, cfg: RunConfig, critic: Any) -> CriticWork:
-    """GAE: the per-token advantages of the step's trained samples (their rewards in data.advantages until now) from
-    the critic's current values; returns what the critic then trains on."""
+    """The single trainer's GAE step: the per-token advantages of the step's trained samples (their rewards in
+    data.advantages until now); returns what the critic then trains on."""
     idx = list(data.pending)
-    samples = [data.samples[i] for i in idx]
-    trained = [trained_tokens(s) for s in samples]
-    values = critic.values(samples) if samples else []
     rewards = [float(data.advantages[i]) for i in idx]  # type: ignore[arg-type]  # scalars until here
-    adv, returns = gae.step_advantages(rewards, values, trained, cfg.algo)
+    adv, work = gae_advantages([data.samples[i] for i in idx], rewards, cfg, critic)
     for i, a in zip(idx, adv, strict=True):
         data.advantages[i] = a
-    return CriticWork(samples, values, returns, trained)
+    return work
