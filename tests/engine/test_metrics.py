@@ -81,14 +81,16 @@ def push_file(url: str, tiny_model_dir, tmp_path, version: int) -> dict:
     return r.json()
 
 
-def stream_versions(url: str, versions: list[int]) -> None:
-    """A streamed chat reply of 400 tokens; their versions are appended to `versions` as they come."""
+def stream_versions(url: str, versions: dict[int, list[int]], n: int = 1) -> None:
+    """A streamed chat reply of `n` choices of 400 tokens; each choice's versions are appended to `versions[index]`
+    as they come."""
     body = {"model": model_of(url), "messages": [{"role": "user", "content": "count"}], "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                versions += json.loads(line[6:])["choices"][0].get("token_versions", [])
+                ch = json.loads(line[6:])["choices"][0]
+                versions.setdefault(ch.get("index", 0), []).extend(ch.get("token_versions", []))
 
 
 def test_the_engine_s_metrics_keep_their_names(server):
@@ -158,25 +160,29 @@ def test_a_weight_update_is_one_pause(server, tiny_model_dir, tmp_path):
 
 
 def test_tokens_sampled_before_an_update_are_a_version_behind(server, tiny_model_dir, tmp_path):
-    """A streamed choice across a `keep` update: its tokens of the old weights lag one version behind the weights
-    that end it (3 tries: on a busy host the generation may end before the update lands)."""
+    """Streamed choices across a `keep` update: their tokens of the old weights lag one version behind the weights
+    that end them. 32 choices slow each decode step to ~1.5 ms, the push starts at the first token, and it tries 8
+    times: on a busy host the generation may still end before the update lands."""
     url = server.url
-    for _attempt in range(3):
+    n = 32
+    for _attempt in range(8):
         version = httpx.get(url + "/health").json()["version"] + 1  # versions are steps: the next one
-        versions: list[int] = []
+        by_choice: dict[int, list[int]] = {}
         before = scrape(url)
-        t = threading.Thread(target=stream_versions, args=(url, versions))
+        t = threading.Thread(target=stream_versions, args=(url, by_choice, n))
         t.start()
-        while len(versions) < 10 and t.is_alive():
+        while not by_choice and t.is_alive():
             time.sleep(0.005)
         push_file(url, tiny_model_dir, tmp_path, version)
         t.join()
         after = scrape(url)
         count, total = delta(after, before, "inflight_served_token_policy_lag_versions")
-        assert count == len(versions) == 400
-        assert total == sum(versions[-1] - v for v in versions)
+        assert sorted(by_choice) == list(range(n)) and all(len(v) == 400 for v in by_choice.values())
+        assert count == n * 400
+        assert total == sum(vs[-1] - v for vs in by_choice.values() for v in vs)
+        versions = by_choice[0]
         if versions[-1] == version and versions[0] < version:
-            assert total == sum(v < version for v in versions) > 0  # one version behind each
+            assert total == sum(v < version for vs in by_choice.values() for v in vs) > 0  # one version behind each
             return
     pytest.fail("the generation never spanned the update")
 

@@ -145,7 +145,9 @@ def test_checkpoint_holds_the_critic_and_resume_restores_it_exactly(tiny_model_d
 
     for c in (a, b):  # the same next step from both
         c.train(samples, c.values(samples), rets)
-    assert all(torch.equal(p, dict(b.model.named_parameters())[n]) for n, p in a.model.named_parameters())
+    # the same step from bit-equal states; a PEFT model built anew may take another kernel path (ulps, ~1e-9)
+    after_b = dict(b.model.named_parameters())
+    assert all(torch.allclose(p, after_b[n], rtol=0, atol=1e-7) for n, p in a.model.named_parameters())
 
     fresh = make_critic(tiny_model_dir, lora=lora, mini_batches=2)  # without the restore the step differs (the test can fail)
     fresh.train(samples, fresh.values(samples), rets)
