@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 
 
 def make_critic(path, lora: LoraConfig | None = None, **kw) -> Critic:
+    torch.manual_seed(0)  # a LoRA adapter's init draws from the global RNG: the same critic whatever ran before
     c = Critic(str(path), TrainerConfig(lr=1e-3, threads=1, micro_batch_tokens=64, lora=lora),
                CriticConfig(lr=kw.pop("lr", 1e-2), **kw))
     c.init()
