@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from inflight.algo.reinforce_pp import Total, one_rank
+from inflight.algo.reinforce_pp import Total, one_rank, step_moments
 from inflight.config.algo import AlgoConfig
 from inflight.config.critic import CriticConfig
 
@@ -53,13 +53,9 @@ def whiten(rows: list[list[float]], trained: Sequence[Sequence[bool]], total: To
            ) -> list[list[float]]:
     """(x − mean) / sqrt(var + 1e-8) over the trained entries of all rows (var unbiased; 0 for one entry); the
     others stay 0. With `total`, over every rank's entries (a collective: every rank calls it)."""
-    flat = [x for row, m in zip(rows, trained, strict=True) for x, on in zip(row, m, strict=True) if on]
-    # two passes (the mean, then the squared deviations from it): the same formula on one rank or N
-    n, s = total([float(len(flat)), math.fsum(flat)])
+    n, mean, sq = step_moments(rows, trained, total)
     if not n:
         return [[0.0] * len(row) for row in rows]
-    mean = s / n
-    (sq,) = total([math.fsum((x - mean) ** 2 for x in flat)])
     var = sq / (n - 1) if n > 1 else 0.0
     scale = 1.0 / math.sqrt(var + WHITEN_EPS)
     return [[(x - mean) * scale if on else 0.0 for x, on in zip(row, m, strict=True)]

@@ -31,6 +31,20 @@ def one_rank(values: list[float]) -> list[float]:
     return list(values)
 
 
+def step_moments(rows: Sequence[Sequence[float]], trained: Sequence[Sequence[bool]], total: Total = one_rank
+                 ) -> tuple[float, float, float]:
+    """(n, mean, Σ(x − mean)²) over the trained entries of all rows, summed over the ranks by `total` (a collective:
+    every rank calls it). Two passes, the mean first: the same formula on one rank or N, and no cancellation of
+    Σx²/n − mean² when the values are far from 0. (0, 0, 0) when nothing trains."""
+    flat = [x for row, m in zip(rows, trained, strict=True) for x, on in zip(row, m, strict=True) if on]
+    n, s = total([float(len(flat)), math.fsum(flat)])
+    if not n:
+        return 0.0, 0.0, 0.0
+    mean = s / n
+    (sq,) = total([math.fsum((x - mean) ** 2 for x in flat)])
+    return n, mean, sq
+
+
 def base_rewards(rewards: Sequence[Sequence[float]], cfg: AlgoConfig) -> list[list[float]]:
     """Each sample's scalar reward before the KL and the step normalisation, per group."""
     out = []
@@ -78,14 +92,9 @@ def step_advantages(rewards: Sequence[float], mu: Sequence[Sequence[float]], ref
     if cfg.kl_reward_coef > 0 and ref is None:
         raise ValueError(f"algo.kl_reward_coef={cfg.kl_reward_coef} needs the reference model's logprobs")
     g = [returns(r, mu[i], None if ref is None else ref[i], trained[i], cfg) for i, r in enumerate(rewards)]
-    flat = [x for row, m in zip(g, trained, strict=True) for x, on in zip(row, m, strict=True) if on]
-    # two passes (the mean first, then the squared deviations from it): the same formula on one rank or N, and no
-    # cancellation of sum(x²)/n − mean² when the returns are far from 0
-    n, s = total([float(len(flat)), math.fsum(flat)])
+    n, mean, sq = step_moments(g, trained, total)
     if not n:
         return [[0.0] * len(row) for row in g]
-    mean = s / n
-    (sq,) = total([math.fsum((x - mean) ** 2 for x in flat)])
     std = math.sqrt(sq / n)
     return [[(x - mean) / (std + cfg.std_eps) for x in row] for row in g]
 
