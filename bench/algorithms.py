@@ -19,6 +19,7 @@ Accuracies are the mean over the seeds with their spread (max - min): a differen
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -45,7 +46,8 @@ ALGORITHMS: dict[str, list[str]] = {
 }
 
 
-def _seeds_module():
+@functools.cache
+def _seeds_module():  # bench/seeds.py, loaded once (bench/ is not a package)
     spec = importlib.util.spec_from_file_location("bench_seeds", REPO / "bench" / "seeds.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -122,12 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in algos if a not in ALGORITHMS]
     if unknown or not algos:
         ap.error(f"--algos: unknown {unknown}; choose from {', '.join(ALGORITHMS)}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        ap.error(f"--seeds must be comma-separated integers, not {args.seeds!r}")
-    if not seeds:
-        ap.error("--seeds names no seed")
+    seeds_mod = _seeds_module()
+    seeds = seeds_mod.parse_seeds(ap, args.seeds)
     raw = yaml.safe_load(args.config.read_text()) or {}
     eval_every = int((raw.get("actor") or {}).get("eval_every", 10))
     for o in args.override:
@@ -136,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
             eval_every = int(value)
     args.config, args.out = args.config.resolve(), args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    seeds_mod = _seeds_module()
     figures: dict[str, list[dict]] = {}
     for name in algos:
         dirs = [args.out / f"{name}-seed{s}" for s in seeds] if args.report_only else \

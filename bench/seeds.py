@@ -38,6 +38,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_seeds(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--seeds "0,1,2" as integers, or the parser's usage error."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--seeds must be comma-separated integers, not {text!r}")
+    if not seeds:
+        ap.error("--seeds names no seed")
+    return seeds
+
+
 def run_seed(config: Path, name: str, seed: int, out: Path, extra: list[str]) -> Path:
     """One `inflight train` run; returns its folder. A failed run is reported, not fatal."""
     run = f"{name}-seed{seed}"
@@ -117,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--override", action="append", default=[], help="a dotted config override for every run")
     ap.add_argument("--report-only", action="store_true", help="read the runs in --out again, run nothing")
     args = ap.parse_args(argv)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        ap.error(f"--seeds must be comma-separated integers, not {args.seeds!r}")
-    if not seeds:
-        ap.error("--seeds names no seed")
+    seeds = parse_seeds(ap, args.seeds)
     raw = yaml.safe_load(args.config.read_text()) or {}
     name = raw.get("name", args.config.stem)
     eval_every = int((raw.get("actor") or {}).get("eval_every", 10))
