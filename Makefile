@@ -56,9 +56,12 @@ test-vllm: $(STAMP)
 	INFLIGHT_VLLM_PYTHON=$(CURDIR)/.cache/vllm-venv/bin/python $(BIN)/python -m pytest -q tests/vllm
 
 # lm-evaluation-harness against `inflight serve` (tests/evals): lm_eval lives in its own test-only venv, never a
-# dependency of inflight; it reuses .venv's torch and transformers, so building it takes ~1 min.
+# dependency of inflight; it reuses .venv's torch and transformers, so building it takes ~1 min. Kept in the user
+# cache, keyed by the script that builds it, like the other test venvs; .cache/lmeval-venv links to it.
+LMEVAL_VENV := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/lmeval-venv-$(shell sha256sum scripts/lmeval-env.sh | cut -c1-12)
 lmeval-venv: $(STAMP)
-	bash scripts/lmeval-env.sh .cache/lmeval-venv $(BIN)/python
+	if [ -d .cache/lmeval-venv ] && [ ! -L .cache/lmeval-venv ]; then bash scripts/lmeval-env.sh .cache/lmeval-venv $(BIN)/python; \
+	else bash scripts/lmeval-env.sh "$(LMEVAL_VENV)" $(BIN)/python && mkdir -p .cache && ln -sfn "$(LMEVAL_VENV)" .cache/lmeval-venv; fi
 
 test-lmeval: lmeval-venv
 	$(BIN)/python -m pytest -q tests/evals
@@ -83,9 +86,11 @@ test-verifiers04: $(STAMP)
 	.cache/verifiers04-venv/bin/python -m pytest -q tests/verifiers04
 
 # Static checks (CI runs them before the tests): ruff over inflight/, mypy over [tool.mypy] files in pyproject.toml.
+# mypy's cache lives in the user cache: it re-checks only what changed (by content), so a fresh clone takes seconds.
+MYPY_CACHE := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/mypy-cache
 lint: $(STAMP)
 	$(BIN)/ruff check inflight
-	$(BIN)/mypy
+	$(BIN)/mypy --cache-dir "$(MYPY_CACHE)"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
