@@ -85,11 +85,12 @@ test-verifiers04: $(STAMP)
 	bash scripts/verifiers04-env.sh "$(VF04_VENV)" $(BIN)/python && mkdir -p .cache && ln -sfn "$(VF04_VENV)" .cache/verifiers04-venv
 	.cache/verifiers04-venv/bin/python -m pytest -q tests/verifiers04
 
-# Static checks (CI runs them before the tests): ruff over inflight/, mypy over [tool.mypy] files in pyproject.toml.
-# mypy's cache lives in the user cache: it re-checks only what changed (by content), so a fresh clone takes seconds.
+# Static checks (CI runs them before the tests): ruff over inflight/ and inflight_plan/, mypy over [tool.mypy]
+# files in pyproject.toml. mypy's cache lives in the user cache: it re-checks only what changed (by content), so a
+# fresh clone takes seconds.
 MYPY_CACHE := $(or $(INFLIGHT_CACHE),$(HOME)/.cache/inflight)/mypy-cache
 lint: $(STAMP)
-	$(BIN)/ruff check inflight
+	$(BIN)/ruff check inflight inflight_plan
 	$(BIN)/mypy --cache-dir "$(MYPY_CACHE)"
 
 test-fast: $(STAMP)

@@ -1,4 +1,4 @@
-"""The simulator (inflight/plan) against real `inflight train` runs on this machine: samples/s and lag histograms.
+"""The simulator (inflight_plan) against real `inflight train` runs on this machine: samples/s and lag histograms.
 
     .venv/bin/python -m inflight.cli profile configs/cpu-demo.yaml --out runs/plan/cpu-demo.json --contexts 24,64
     .venv/bin/python bench/plan_check.py --profile runs/plan/cpu-demo.json [--config C] [--steps 60] [--report-only]
@@ -12,7 +12,7 @@ per group, the share of samples back-propagated). The simulator then runs the sa
 table gives predicted / measured samples/s and the total-variation distance of the two lag histograms.
 While a run goes, each role's CPU seconds are sampled from /proc (RoleCpu), for a column of what each role really
 spent per step beside what the simulator charges it. With --speed-index, the machine's speed against the profile
-is measured before and after every run (inflight/plan/speed.py), and each run is also predicted at that speed.
+is measured before and after every run (inflight_plan/speed.py), and each run is also predicted at that speed.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ COMMON = ["actor.eval_every=0", "pipeline.tensorboard=false", "pipeline.progress
 
 
 def speed_index(config: Path, profile: str, path: Path) -> Path:
-    """The machine's speed index against `profile` (inflight/plan/speed.py), in a fresh process as the profile was."""
-    subprocess.run([sys.executable, "-m", "inflight.plan.speed", str(config), "--profile", profile, "--out", str(path)],
+    """The machine's speed index against `profile` (inflight_plan/speed.py), in a fresh process as the profile was."""
+    subprocess.run([sys.executable, "-m", "inflight_plan.speed", str(config), "--profile", profile, "--out", str(path)],
                    cwd=REPO, check=True)
     return path
 
@@ -59,7 +59,7 @@ class RoleCpu(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from inflight.plan.reply import children_of, schedstat_s
+        from inflight_plan.reply import children_of, schedstat_s
 
         pids, samples, procs = None, [], {}
         seen: dict[str, dict[int, tuple[float, float]]] = {}  # role -> pid -> (CPU, wait) when last seen alive
@@ -101,7 +101,7 @@ def role_cpu(run_dir: Path, skip: int) -> dict[str, float]:
 
 
 def read(run_dir: Path, skip: int) -> dict:
-    from inflight.plan.runs import read_run
+    from inflight_plan.runs import read_run
 
     return {**read_run(run_dir, skip), "cpu": role_cpu(run_dir, skip)}
 
@@ -112,9 +112,9 @@ DEFAULT_CONFIG = REPO / "configs" / "cpu-demo.yaml"
 def predict(profile, overrides: list[str], real: dict, steps: int, skip: int, cores: float = 0,
             config: Path = DEFAULT_CONFIG) -> dict:
     from inflight.config import RunConfig, load_config
-    from inflight.plan.contention import simulate_shared
-    from inflight.plan.sim import simulate
-    from inflight.plan.workload import Lengths, from_run_config
+    from inflight_plan.contention import simulate_shared
+    from inflight_plan.sim import simulate
+    from inflight_plan.workload import Lengths, from_run_config
 
     cfg = load_config(RunConfig, config, overrides)
     cfg.pipeline.max_steps = steps
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", default="", help="FIRST,SECOND: also fit extra per-group reply work to these runs")
     ap.add_argument("--speed-index", action="store_true",
                     help="measure the machine's speed against --profile before and after each run "
-                         "(inflight/plan/speed.py) and also predict each run from the profile rescaled by it")
+                         "(inflight_plan/speed.py) and also predict each run from the profile rescaled by it")
     args = ap.parse_args(argv)
     if args.speed_index and not args.profile:
         ap.error("--speed-index needs --profile (it re-measures the profile's points)")
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"lag {share(r['lag'])}", flush=True)
     if not args.profile:
         return 0
-    from inflight.plan.profile import Profile
+    from inflight_plan.profile import Profile
 
     profile = Profile.load(args.profile)
     results = {}
@@ -283,14 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats > 1:  # each rep predicted from its own workload (lengths, trained share)
         summary(args.repeats, {n: [(r, pred(profile, n, r)) for r in rs] for n, rs in reps.items()})
     if any(r["speed"] for rs in reps.values() for r in rs):  # each run from the profile at its measured speed
-        from inflight.plan.speed import ratios, rescaled
+        from inflight_plan.speed import ratios, rescaled
 
         timed = {n: [(r, ratios(profile, r["speed"])) for r in rs if r["speed"]] for n, rs in reps.items()}
         for n, rs in timed.items():
             print(f"speed index, {n}: " + ", ".join(f"trainer x{t:.2f} engine x{e:.2f}" for _, (t, e) in rs))
         rows_s = [(n, rs[0][0], pred(rescaled(profile, *rs[0][1]), n, rs[0][0])) for n, rs in timed.items() if rs]
         table(f"PREDICTED from profile {args.profile} rescaled to the machine's speed measured before and after each "
-              f"run (inflight/plan/speed.py){shared}", rows_s)
+              f"run (inflight_plan/speed.py){shared}", rows_s)
         results["speed_index"] = rows_s
         if args.repeats > 1:
             summary(args.repeats, {n: [(r, pred(rescaled(profile, *sp), n, r)) for r, sp in rs]

@@ -1,5 +1,5 @@
-"""Pipelined vs sync at the scale of published runs, ON PAPER: the simulator (inflight/plan) on GPU profiles built from public
-figures (inflight/plan/roofline.py; sources and assumptions in each profile's `_comment` and docs/planning.md).
+"""Pipelined vs sync at the scale of published runs, ON PAPER: the simulator (inflight_plan) on GPU profiles built from public
+figures (inflight_plan/roofline.py; sources and assumptions in each profile's `_comment` and docs/planning.md).
 Every figure printed is a prediction; nothing here was measured on a GPU.
 
     .venv/bin/python bench/plan_scale.py [--write-profiles] [--steps 8]
@@ -26,11 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from inflight.plan import roofline, split  # noqa: E402
-from inflight.plan.profile import Profile  # noqa: E402
-from inflight.plan.workload import Lengths, SimConfig  # noqa: E402
+from inflight_plan import roofline, split  # noqa: E402
+from inflight_plan.profile import Profile  # noqa: E402
+from inflight_plan.workload import Lengths, SimConfig  # noqa: E402
 
-PROFILES = REPO / "inflight" / "plan" / "profiles"
+PROFILES = REPO / "inflight_plan" / "profiles"
 SOURCES = [
     "H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (NVIDIA H100 datasheet, "
     "https://www.nvidia.com/en-us/data-center/h100/); "
@@ -58,7 +58,7 @@ def write_profiles() -> None:
         prof = roofline.profile(H100, shape, batches=[1, 8, 32, 64, 128, 256], contexts=[512, 2048, 8192, 16384],
                                 max_batch=max_batch, push_s=push, pause_s=pause,
                                 source=f"ON PAPER, not measured: roofline of {shape.name} on one H100 "
-                                       f"(inflight/plan/roofline.py) with efficiencies anchored to public vLLM figures",
+                                       f"(inflight_plan/roofline.py) with efficiencies anchored to public vLLM figures",
                                 notes=f"{push_note}; trainer 6 x params FLOPs per token at 40% MFU, 1 s per optimizer "
                                       "step (assumed); max_batch 256 (KV memory at long contexts)")
         data = {"_comment": SOURCES, **json.loads(prof.model_dump_json())}
@@ -118,7 +118,7 @@ def scenario(name: str, steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write-profiles", action="store_true", help="(re)write inflight/plan/profiles/*.json first")
+    ap.add_argument("--write-profiles", action="store_true", help="(re)write inflight_plan/profiles/*.json first")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = ap.parse_args(argv)

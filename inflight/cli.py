@@ -17,8 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("inflight.pipeline.train", "run the whole RL pipeline from a YAML config (pipelined or sync)"),
     "demo": ("inflight.pipeline.demo", "the CPU demo: build + warm-start a tiny model, then pipelined RL on arith"),
     "export-merged": ("inflight.trainer.lora_export", "a LoRA checkpoint (trainer.lora) merged into its base: a plain HF folder"),
-    "profile": ("inflight.plan.profile_cli", "measure this machine's engine step times and trainer tokens/s for `plan`"),
-    "plan": ("inflight.plan.plan_cli", "predict the best split of N devices and pipelined vs sync samples/s (simulated)"),
+    "profile": ("inflight_plan.profile_cli", "measure this machine's engine step times and trainer tokens/s for `plan`"),
+    "plan": ("inflight_plan.plan_cli", "predict the best split of N devices and pipelined vs sync samples/s (simulated)"),
     "report": ("inflight.report.page", "regenerate report.html for one run, or compare several runs"),
 }
 

@@ -1,6 +1,7 @@
 """The package's import structure: one floor per group of role folders, and a module imports only from its own folder
 or from floors below its own; no import circles between modules. Imports inside functions count as well (a lazy
-import is still a dependency). The allowed order is written once, here."""
+import is still a dependency). The allowed order is written once, here. The planner (inflight_plan/, beside the
+package) stands above every floor: it imports from inflight, and nothing in inflight imports it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "inflight"
+PLANNER = PACKAGE.parent / "inflight_plan"  # `inflight profile` / `inflight plan`; the CLI names it by module path only
 
 # Bottom to top. `config` (inflight/config/) holds the RunConfig and one module of plain dataclasses per role, on the
 # bottom floor, so every role may read any role's settings.
@@ -22,26 +24,26 @@ FLOORS: list[tuple[str, ...]] = [
     ("actor",),
     ("report",),  # the run's metrics file and the report read from it
     ("pipeline",),
-    ("plan",),  # the simulator needs only config; its profiler drives engine, trainer, actor and a launcher's server
     ("cli",),
 ]
 FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
 
 
 MODULES = _modules()
+PLAN_MODULES = _modules(PLANNER)
 
 
-def _imports(name: str, path: Path) -> set[str]:
-    """The inflight modules `name` imports (a package's submodule when `from pkg import submodule`)."""
+def _imports(name: str, path: Path, modules: dict[str, Path] = MODULES) -> set[str]:
+    """The modules of `modules` that `name` imports (a package's submodule when `from pkg import submodule`)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -52,12 +54,13 @@ def _imports(name: str, path: Path) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
+            subs = {f"{base}.{a.name}" for a in node.names} & modules.keys()
             found |= subs or {base}
-    return {m for m in found if m in MODULES and m != name}
+    return {m for m in found if m in modules and m != name}
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+PLAN_GRAPH = {name: _imports(name, path, PLAN_MODULES) for name, path in PLAN_MODULES.items()}
 
 
 def _folder(module: str) -> str:
@@ -82,6 +85,19 @@ def test_nothing_imports_upward():
             if other != own and FLOOR[other] >= FLOOR[own]:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports from a floor not below the module's own:\n" + "\n".join(sorted(upward))
+
+
+def test_nothing_in_the_package_imports_the_planner():
+    """The planner sits beside the package and imports from it, never the reverse; the CLI's table names its two
+    commands by module path (a string, imported only when the command runs)."""
+    bad = [f"{m} -> {t}" for m, path in MODULES.items() for t in _imports(m, path, PLAN_MODULES)]
+    assert not bad, "inflight must not import inflight_plan:\n" + "\n".join(sorted(bad))
+
+
+def test_the_planner_rule_sees_an_import(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from inflight_plan.sim import simulate  # lazy: a test\n")
+    assert _imports("inflight.m", path, PLAN_MODULES) == {"inflight_plan.sim"}
 
 
 def test_config_modules_import_only_config():
@@ -126,6 +142,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circles():
     assert _cycles(GRAPH) == []
+    assert _cycles(PLAN_GRAPH) == []
 
 
 @pytest.mark.parametrize("graph, circle", [
@@ -156,11 +173,14 @@ def _function_imports_without_reason(path: Path, root: Path = PACKAGE.parent) ->
     return sorted(set(bad))
 
 
-@pytest.mark.parametrize("folder", sorted({_folder(m) for m in MODULES}))
+@pytest.mark.parametrize("folder", sorted({_folder(m) for m in MODULES}) + ["inflight_plan"])
 def test_imports_inside_functions_say_why(folder):
     """A module's top shows what it depends on; an import inside a function (an optional dependency, a start-up
-    cost) carries `# lazy: <reason>` on its line."""
-    paths = {MODULES[m] for m in MODULES if _folder(m) == folder}
+    cost) carries `# lazy: <reason>` on its line. The planner (`inflight_plan`) keeps the same rule."""
+    if folder == "inflight_plan":
+        paths = set(PLAN_MODULES.values())
+    else:
+        paths = {MODULES[m] for m in MODULES if _folder(m) == folder}
     bad = [where for path in sorted(paths) for where in _function_imports_without_reason(path)]
     assert not bad, "move to the module's top, or add `# lazy: <reason>`:\n" + "\n".join(bad)
 

@@ -108,9 +108,9 @@ def test_actor_gets_the_runs_bound():
 
 
 def test_simulator_gets_the_runs_bound():
-    from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
-    from inflight.plan.sim import Simulator
-    from inflight.plan.workload import Lengths, SimConfig, from_run_config
+    from inflight_plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+    from inflight_plan.sim import Simulator
+    from inflight_plan.workload import Lengths, SimConfig, from_run_config
 
     cfg = cfg_of(*SYNC)
     sim_cfg = from_run_config(cfg, Lengths("fixed:4"), steps=6)

@@ -3,8 +3,8 @@
 The staleness bound (`actor.max_lag`, in weight versions) is applied by the actor (groups it may start), the servers
 (a gated request's min_weight_version), the trainer (groups that may be in flight when it looks for a hole in the
 start order), the launchers (the stream's capacity), a LoRA run's adapter client (adapter versions kept) and the plan
-simulator. They all ask `staleness(cfg)` (the simulator builds the same `Staleness` from its own settings with
-`effective_max_lag`). Sync mode derives its bound, num_grad_steps - 1, here; the user's `actor.max_lag` is never
+simulator (inflight_plan/workload.py, beside the package). They all ask `staleness(cfg)` (the simulator builds the
+same `Staleness` from its own settings with `effective_max_lag`). Sync mode derives its bound, num_grad_steps - 1, here; the user's `actor.max_lag` is never
 rewritten.
 """
 

@@ -154,7 +154,7 @@ class InferenceEngine:
         self._st = dict(generated_tokens_total=0, paused_seconds_total=0.0, steps=0, prefill_tokens_total=0,
                         prefix_reused_tokens_total=0)
         # set to a list to record every step as (decodes, their summed context, prefill tokens, seconds): the
-        # profiler's view of a step under real traffic (inflight/plan/traffic.py)
+        # profiler's view of a step under real traffic (inflight_plan/traffic.py)
         self.step_trace: list[tuple[int, int, int, float]] | None = None
 
     # ---------------------------------------------------------------- public API (any thread / asyncio loop)

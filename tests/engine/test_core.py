@@ -558,7 +558,7 @@ def test_interrupt_lands_with_admission_and_mid_chunked_prefill(tiny_model_dir):
 
 
 def test_step_trace_records_each_steps_decodes_context_and_prefill(tiny_model_dir):
-    """The profiler's view of a step (plan/traffic.py): one request, n=2, 6-token prompt, 4 tokens each."""
+    """The profiler's view of a step (inflight_plan/traffic.py): one request, n=2, 6-token prompt, 4 tokens each."""
     eng = fresh_engine(tiny_model_dir)
     try:
         eng.step_trace = []

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from inflight.plan.contention import simulate_shared, slowdowns, slowed
-from inflight.plan.sim import simulate
-from inflight.plan.workload import Lengths, SimConfig
+from inflight_plan.contention import simulate_shared, slowdowns, slowed
+from inflight_plan.sim import simulate
+from inflight_plan.workload import Lengths, SimConfig
 from tests.plan.test_sim import flat_profile
 
 

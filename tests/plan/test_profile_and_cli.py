@@ -11,10 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from inflight.cli import main
-from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+from inflight_plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = REPO / "inflight" / "plan" / "profiles"
+PROFILES = REPO / "inflight_plan" / "profiles"
 
 
 def small_profile() -> Profile:
@@ -61,7 +61,7 @@ def test_bad_profiles_are_refused(change):
 
 def test_shipped_profiles_load_and_name_their_sources():
     paths = sorted(PROFILES.glob("*.json"))
-    assert paths, "inflight/plan/profiles/ holds the profiles built from public figures"
+    assert paths, "inflight_plan/profiles/ holds the profiles built from public figures"
     for path in paths:
         p = Profile.load(path)
         comment = " ".join(json.loads(path.read_text())["_comment"])
@@ -149,7 +149,7 @@ def test_server_curve_over_http(tmp_path):
     from inflight.config.tasks import TaskConfig
     from inflight.engine.serve import ServerProcess
     from inflight.modelkit.build import make_model
-    from inflight.plan.measure import measure_server
+    from inflight_plan.measure import measure_server
 
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     with ServerProcess(str(model), extra_args=["--threads", "1", "--max-model-len", "256"]) as server:
@@ -160,7 +160,7 @@ def test_server_curve_over_http(tmp_path):
 
 
 def test_roofline_by_hand():
-    from inflight.plan import roofline
+    from inflight_plan import roofline
 
     hw = roofline.Hardware("h", bandwidth=1e12, flops=1e15, mem_eff=0.5, flop_eff=0.5, train_mfu=0.25)
     m = roofline.ModelShape("m", params=1e9, layers=10, kv_heads=2, head_dim=64)
@@ -192,7 +192,7 @@ def test_plan_cli_takes_lengths_from_a_run_folder(tmp_path, capsys):
 
 
 def test_a_step_s_lengths_spread_from_its_min_to_its_max_with_its_mean():
-    from inflight.plan.runs import spread
+    from inflight_plan.runs import spread
 
     assert spread(8, 30.0, 10, 50) == [10, 16, 21, 27, 33, 39, 44, 50]  # mean halfway: an even spread (k = 1)
     v = spread(128, 65.0, 27, 139)  # a long tail, as a scratchpad step has: most below the mean, some up to 139
@@ -202,7 +202,7 @@ def test_a_step_s_lengths_spread_from_its_min_to_its_max_with_its_mean():
 
 
 def test_trained_share_counts_forward_tokens_as_the_simulator_does():
-    from inflight.plan.runs import trained_share
+    from inflight_plan.runs import trained_share
 
     # 2 groups of 4 per step, 10-token prompts (a step records them once per group: 20). Step 1: one group trained
     # (its completions 4 x 5 tokens; the other group's 4 x 20 untrained): the trainer ran 10 + 20 = 30 forward
@@ -229,7 +229,7 @@ def test_an_older_profile_gets_its_trainer_shape_from_its_notes(tmp_path):
 def test_the_trainer_charge_grows_with_the_groups_length_as_measured():
     import dataclasses
 
-    from inflight.plan.sim import simulate
+    from inflight_plan.sim import simulate
     from tests.plan.test_sim import BASE
 
     t = TrainerProfile(tokens_per_s=1000.0, prompt_tokens=0, completion_tokens=64, group_size=8, length_slope=0.005)

@@ -1,5 +1,5 @@
 """Per-group reply work: the simulator's use of it against hand computations, the profile's new fields, the line
-through two measurements, and (slow) timing the real server and actor on a tiny model (inflight/plan/reply.py)."""
+through two measurements, and (slow) timing the real server and actor on a tiny model (inflight_plan/reply.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from inflight.plan.profile import Profile
-from inflight.plan.reply import ReplyCost, line
-from inflight.plan.sim import simulate
+from inflight_plan.profile import Profile
+from inflight_plan.reply import ReplyCost, line
+from inflight_plan.sim import simulate
 from tests.plan.test_sim import BASE, flat_profile, steady
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_line_through_two_measurements():
 @pytest.mark.slow
 def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny_model_dir):
     from inflight.config import RunConfig, load_config
-    from inflight.plan.reply import measure_reply
+    from inflight_plan.reply import measure_reply
 
     cfg = load_config(RunConfig, REPO / "configs" / "cpu-demo.yaml",
                       [f"model.path={tiny_model_dir}", "actor.groups_per_step=4", "actor.reward_workers=1"])
@@ -117,7 +117,7 @@ def test_reply_work_measured_on_the_real_server_and_actor_grows_with_length(tiny
 
 
 def test_core_sharing_slows_each_role_s_reply_work():
-    from inflight.plan.contention import slowed
+    from inflight_plan.contention import slowed
 
     p = with_reply(server_s_per_group=1.0, server_s_per_token=2.0, actor_s_per_group=3.0, actor_s_per_token=4.0,
                    trainer_s_per_group=5.0, trainer_s_per_token=6.0)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
-from inflight.plan.sim import simulate
-from inflight.plan.workload import Lengths, SimConfig
+from inflight_plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+from inflight_plan.sim import simulate
+from inflight_plan.workload import Lengths, SimConfig
 
 
 def flat_profile(step_s: float = 0.01, tok_s: float = 1e12, prefill: float = 1e12, push: float = 0.0,
@@ -107,7 +107,7 @@ def test_a_push_takes_longer_beside_the_work_that_runs_with_it():
 
 
 def test_the_push_extra_follows_the_trainer_and_the_servers_at_its_start():
-    from inflight.plan.sim import Simulator
+    from inflight_plan.sim import Simulator
 
     prof = flat_profile(push=0.01).model_copy(update={
         "push_beside_train_s": 0.002, "push_beside_decode_s": 0.003, "push_beside_both_s": 0.007})
@@ -134,7 +134,7 @@ def test_wake_ups_wait_for_a_core_only_where_the_other_threads_take_every_core()
 
 
 def test_a_wake_up_waits_when_the_other_threads_fill_the_cores():
-    from inflight.plan.sim import Simulator
+    from inflight_plan.sim import Simulator
 
     prof = flat_profile().model_copy(update={"wakeup_wait_s": 0.001})
     sim = Simulator(prof, dataclasses.replace(BASE, servers=2), cores=2)
@@ -198,7 +198,7 @@ def test_interrupt_pays_for_re_prefill_only_when_prefill_costs():
 
 
 def test_time_to_samples():
-    from inflight.plan.split import time_to
+    from inflight_plan.split import time_to
 
     r = simulate(flat_profile(), BASE)
     assert r.time_to_samples(128) == pytest.approx(0.1)

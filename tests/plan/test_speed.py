@@ -1,4 +1,4 @@
-"""The speed index (inflight/plan/speed.py): a profile rescaled to the machine's measured speed, the ratios it is
+"""The speed index (inflight_plan/speed.py): a profile rescaled to the machine's measured speed, the ratios it is
 rescaled by, and (slow) the index measured on a tiny model against a profile of the same machine."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from inflight.plan.sim import simulate
-from inflight.plan.speed import index_point, ratios, rescaled
+from inflight_plan.sim import simulate
+from inflight_plan.speed import index_point, ratios, rescaled
 from tests.plan.test_profile_and_cli import small_profile
 from tests.plan.test_sim import BASE
 
@@ -60,8 +60,8 @@ def test_the_index_of_a_profile_just_measured_is_near_one(tmp_path):
     from inflight.config import RunConfig, load_config
     from inflight.config.tasks import TaskConfig
     from inflight.modelkit.build import make_model
-    from inflight.plan.profile import Profile
-    from inflight.plan.speed import measure_index
+    from inflight_plan.profile import Profile
+    from inflight_plan.speed import measure_index
 
     model = make_model(TaskConfig(), tmp_path / "tiny", size="tiny")
     cfg_path = str(REPO / "configs" / "cpu-demo.yaml")

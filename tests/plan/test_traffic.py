@@ -1,4 +1,4 @@
-"""A run's engine steps against plain decode steps (inflight/plan/traffic.py): the factor as the simulator applies
+"""A run's engine steps against plain decode steps (inflight_plan/traffic.py): the factor as the simulator applies
 it, and the ratio it is computed as (the factor measured on a tiny model: test_profile_and_cli.py)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from inflight.plan.profile import TrainerProfile
-from inflight.plan.sim import simulate
-from inflight.plan.traffic import _curve_s, _measured_s
+from inflight_plan.profile import TrainerProfile
+from inflight_plan.sim import simulate
+from inflight_plan.traffic import _curve_s, _measured_s
 from tests.plan.test_profile_and_cli import small_profile
 from tests.plan.test_sim import BASE
 

@@ -1,5 +1,5 @@
 """A profile on paper: decode step time of a dense transformer on a GPU from its memory bandwidth and FLOP/s (the
-roofline), with efficiencies anchored to public vLLM measurements (the sources are in inflight/plan/profiles/*.json
+roofline), with efficiencies anchored to public vLLM measurements (the sources are in inflight_plan/profiles/*.json
 and docs/planning.md). Used to write those profiles, for machines not at hand; never mixed with measured figures.
 
     step(b, c) = (weights + b * c * kv_bytes_per_token) / (bandwidth * mem_eff) + b * 2 * params / (flops * flop_eff)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
+from inflight_plan.profile import DecodeCurve, EngineProfile, Profile, TrainerProfile
 
 
 @dataclass

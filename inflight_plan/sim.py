@@ -43,8 +43,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from inflight.plan.profile import Profile
-from inflight.plan.workload import SimConfig
+from inflight_plan.profile import Profile
+from inflight_plan.workload import SimConfig
 
 
 class _Group:

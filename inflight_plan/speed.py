@@ -7,7 +7,7 @@ up to 40%. A profile predicts a run made at another time only as far as the mach
 bench/plan_check.py measures this index next to each run and predicts the run from the profile rescaled by it
 (`rescaled`): the check then tests the model of the loop, not the machine's drift. Nothing is read from the run.
 
-    python -m inflight.plan.speed CONFIG.yaml [key=value ...] --profile PROFILE.json [--out INDEX.json]
+    python -m inflight_plan.speed CONFIG.yaml [key=value ...] --profile PROFILE.json [--out INDEX.json]
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 from inflight.config import RunConfig, load_config
-from inflight.plan.contention import slowed
-from inflight.plan.measure import measure_engine, trainer_bench
-from inflight.plan.profile import Profile
+from inflight_plan.contention import slowed
+from inflight_plan.measure import measure_engine, trainer_bench
+from inflight_plan.profile import Profile
 
 
 def index_point(profile: Profile, batch_hint: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """A hardware profile: what the simulator knows about one inference server and the trainer on some machine, as a
-small JSON file (`inflight profile` measures one; inflight/plan/profiles/ holds some built from public figures).
+small JSON file (`inflight profile` measures one; inflight_plan/profiles/ holds some built from public figures).
 
     decode step time t(batch, context)   seconds of one decode step of `batch` sequences of mean length `context`
     prefill tokens/s                     prompt (and re-prefill) tokens per second of one server

@@ -2,7 +2,7 @@
 
 Measures, with the config's model and thread settings: the built-in engine's decode step time over --batches and
 --contexts and its prefill tokens/s, how much more a step costs under the config's traffic (traffic.py), the pause
-of a weight swap, the push, the per-group reply work (server reply, actor, stream read: inflight/plan/reply.py),
+of a weight swap, the push, the per-group reply work (server reply, actor, stream read: inflight_plan/reply.py),
 and the trainer's tokens/s and optimizer step; or, with --server URL, the step-time curve of that running server
 (vLLM, SGLang, inflight serve) over HTTP, with the trainer measured here unless --no-trainer. The JSON says where
 and when it was measured.
@@ -17,7 +17,7 @@ import sys
 
 from inflight import backends
 from inflight.config import ConfigError, RunConfig, load_config
-from inflight.plan.profile import Profile, TrainerProfile
+from inflight_plan.profile import Profile, TrainerProfile
 
 
 def _ints(text: str) -> list[int]:
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print("inflight profile: the trainer is measured with trainer.backend=single only; for fsdp2 give its "
               "tokens/s from a short run: --no-trainer --tokens-per-s X", file=sys.stderr)
         return 2
-    from inflight.plan import measure  # lazy: loads torch and the engine (seconds); `profile --help` needs neither
+    from inflight_plan import measure  # lazy: loads torch and the engine (seconds); `profile --help` needs neither
 
     mb = cfg.server.max_batch
     batches = args.batches or sorted({1, *[b for b in (8, 32, 64, 128, 256) if b < mb], mb})
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine: decode step {step_ms} ms "
           f"at context {contexts[0]}; prefill {engine.prefill_tokens_per_s:.0f} tok/s; pause {pause * 1e3:.1f} ms")
     if not (args.server or args.no_traffic):
-        from inflight.plan.traffic import measure_run_step_factor  # lazy: loads torch and the engine (seconds)
+        from inflight_plan.traffic import measure_run_step_factor  # lazy: loads torch and the engine (seconds)
 
         engine.run_step_factor, d = measure_run_step_factor(cfg, engine)
         print(f"engine under the config's traffic: steps {engine.run_step_factor:.2f}x plain decode steps at batch "
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"push: {push * 1e3:.1f} ms ({cfg.trainer.weight_transport}), server pause {pause * 1e3:.1f} ms")
     reply: dict[str, float] = {}
     if not args.server and not args.no_reply and cfg.server.engine == backends.BUILTIN:
-        from inflight.plan.corun import measure_wakeup_wait  # lazy: loads torch and the engine (seconds)
+        from inflight_plan.corun import measure_wakeup_wait  # lazy: loads torch and the engine (seconds)
 
         reply = measure_reply(cfg, args.reply_lengths)
         reply["wakeup_wait_s"] = measure_wakeup_wait()
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
 def measure_corun(cfg, prompt: int, completion: int, push: bool) -> dict[str, float]:
     """Profile.trainer_corun / server_corun: the trainer's step beside a server decoding a step's batch, and back;
     with `push`, also what a push takes more beside each and beside both (push_beside_*_s)."""
-    from inflight.plan.corun import measure_interference, measure_push_beside  # lazy: as measure in run()
-    from inflight.plan.measure import trainer_bench  # lazy: loads torch and the engine (seconds)
+    from inflight_plan.corun import measure_interference, measure_push_beside  # lazy: as measure in run()
+    from inflight_plan.measure import trainer_bench  # lazy: loads torch and the engine (seconds)
 
     step, _ = trainer_bench(cfg.model.path, cfg.trainer, cfg.actor.group_size, cfg.actor.groups_per_step,
                             prompt=prompt, completion=completion)
@@ -159,8 +159,8 @@ def measure_corun(cfg, prompt: int, completion: int, push: bool) -> dict[str, fl
 
 
 def measure_reply(cfg, lengths: list[int] | None) -> dict[str, float]:
-    """The per-group reply work (inflight/plan/reply.py) as profile fields; the reward workers count as actor."""
-    from inflight.plan.reply import line, measure_reply as measure  # lazy: loads torch and the actor (seconds)
+    """The per-group reply work (inflight_plan/reply.py) as profile fields; the reward workers count as actor."""
+    from inflight_plan.reply import line, measure_reply as measure  # lazy: loads torch and the actor (seconds)
 
     if lengths is not None and len(lengths) != 2:
         raise SystemExit("inflight profile: --reply-lengths takes two lengths, e.g. 4,12")

@@ -1,6 +1,6 @@
 """`inflight plan CONFIG.yaml --gpus N --profile PROFILE.json [key=value ...]`: how to split N devices between
 inference servers and the trainer, and how much faster pipelined is than sync, predicted by simulation
-(inflight/plan/sim.py) on a measured or published profile. Every figure printed is a prediction from that profile.
+(inflight_plan/sim.py) on a measured or published profile. Every figure printed is a prediction from that profile.
 
 The loop's settings (group size, groups per step, max_lag, update mode, max_batch, num_grad_steps, queue_ahead)
 come from the config; the completion lengths from --lengths (a distribution) or --lengths-from (a file of integers,
@@ -17,15 +17,15 @@ import sys
 from pathlib import Path
 
 from inflight.config import ConfigError, RunConfig, load_config
-from inflight.plan.runs import read_run
-from inflight.plan.workload import Lengths, from_run_config
+from inflight_plan.runs import read_run
+from inflight_plan.workload import Lengths, from_run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config (YAML)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.max_lag=4")
     parser.add_argument("--gpus", type=int, required=True, help="devices to split between servers and trainer")
-    parser.add_argument("--profile", required=True, help="profile JSON (inflight profile, or inflight/plan/profiles/)")
+    parser.add_argument("--profile", required=True, help="profile JSON (inflight profile, or inflight_plan/profiles/)")
     parser.add_argument("--gpus-per-server", type=int, default=0, help="devices per server (default: the profile's)")
     parser.add_argument("--lengths", default="", help="fixed:N | uniform:A:B | lognormal:MEDIAN:SIGMA:MAX "
                                                       "(default lognormal, median max_new_tokens/4, cut at the limit)")
@@ -52,8 +52,8 @@ def _lengths(args: argparse.Namespace, max_new: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from inflight.plan import split  # lazy: it imports Profile (pydantic, ~0.3 s); `plan --help` needs neither
-    from inflight.plan.profile import Profile  # lazy: pydantic (~0.3 s); `plan --help` answers without it
+    from inflight_plan import split  # lazy: it imports Profile (pydantic, ~0.3 s); `plan --help` needs neither
+    from inflight_plan.profile import Profile  # lazy: pydantic (~0.3 s); `plan --help` answers without it
 
     try:
         cfg = load_config(RunConfig, args.config, args.overrides)

@@ -34,8 +34,8 @@ import httpx
 
 from inflight.config import RunConfig
 from inflight.engine.serve import ServerProcess
-from inflight.plan.measure import push_session
-from inflight.plan.reply import schedstat_fields
+from inflight_plan.measure import push_session
+from inflight_plan.reply import schedstat_fields
 
 
 class _Toggled(threading.Thread):

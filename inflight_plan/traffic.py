@@ -29,8 +29,8 @@ import torch
 from inflight.config import RunConfig
 from inflight.engine.core import InferenceEngine
 from inflight.engine.model.sampling import SamplingParams
-from inflight.plan.profile import EngineProfile
 from inflight.tasks import get_task
+from inflight_plan.profile import EngineProfile
 
 
 def _curve_s(profile: EngineProfile, trace: list[tuple[int, int, int, float]]) -> float:

@@ -19,9 +19,9 @@ Simulator._wake_wait, from the profile's wake-up counts and wait).
 
 from __future__ import annotations
 
-from inflight.plan.profile import DecodeCurve, Profile
-from inflight.plan.sim import SimResult, simulate
-from inflight.plan.workload import SimConfig
+from inflight_plan.profile import DecodeCurve, Profile
+from inflight_plan.sim import SimResult, simulate
+from inflight_plan.workload import SimConfig
 
 
 def slowed(profile: Profile, trainer: float, server: float, actor: float) -> Profile:

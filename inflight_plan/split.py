@@ -13,9 +13,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from inflight.plan.profile import Profile
-from inflight.plan.sim import SimResult, simulate
-from inflight.plan.workload import SimConfig
+from inflight_plan.profile import Profile
+from inflight_plan.sim import SimResult, simulate
+from inflight_plan.workload import SimConfig
 
 
 @dataclass

@@ -31,11 +31,11 @@ from inflight.contracts import Sample
 from inflight.engine.core import InferenceEngine
 from inflight.engine.model.sampling import SamplingParams
 from inflight.engine.serve import ServerProcess
-from inflight.plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 from inflight.process import free_port
 from inflight.trainer.factory import make_trainer
 from inflight.trainer.packing import count_loss_tokens, pack_samples
 from inflight.trainer.weight_sync import make_weight_sync
+from inflight_plan.profile import DecodeCurve, EngineProfile, TrainerProfile
 
 
 def _median(fn, repeats: int) -> float:
