@@ -71,7 +71,10 @@ def test_tool_env_mcp_tool_and_rubric():
     task = get_task(vf04_task("tool"))
     ts = task.eval_samples()[0]  # 67*53
     tools = []
-    first, r1, r2 = run(task, ts, [call("67*53"), f"So \\boxed{{{67 * 53}}}"], tools)
+    out = run(task, ts, [call("67*53"), f"So \\boxed{{{67 * 53}}}"], tools)
+    # the reply with the call did not end the episode: verifiers answered it with a tool turn
+    assert len(out) == 3 and not out[1].done, ("no tool turn after the call", out[1:])
+    first, r1, r2 = out
     # the environment's messages as they are; the MCP server's tool list is the episode's `tools` (OpenAI's shape),
     # which the actor hands to the chat template or describes in a system message (actor/episode.py)
     assert first == ts.messages
