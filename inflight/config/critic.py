@@ -6,7 +6,7 @@ class CriticConfig:
     """The value model of PPO with a critic (`algo.advantage: gae`): a copy of the policy's body with a scalar head,
     trained by the trainer alongside the policy with its own optimizer. Its other settings (precision, device,
     micro-batch budget, betas, schedule, grad clipping, trainer.lora) are the trainer's; with trainer.backend=fsdp2
-    it is sharded like the policy (trainer.lora: single-device trainer only)."""
+    it is sharded like the policy (with trainer.lora too: its own adapter on the frozen base, and the head)."""
 
     model_path: str = ""  # the body's weights: a causal-LM folder ("": the policy's model.path); the head starts at 0
     lr: float = 0.0  # its own AdamW's learning rate (0: trainer.lr), on the trainer's schedule

@@ -71,9 +71,6 @@ def check_ranks(cfg: RunConfig) -> None:
     t, gps = cfg.trainer, cfg.actor.groups_per_step
     if t.backend != "fsdp2":
         return
-    if cfg.algo.advantage == gae.ADVANTAGE and t.lora is not None:  # critic_fsdp.FSDP2Critic: no sharded adapter
-        raise ValueError(f"algo.advantage={gae.ADVANTAGE} (PPO with a critic) with trainer.lora runs on the "
-                         f"single-device trainer only (train in full with trainer.backend=fsdp2)")
     if t.num_processes < 1:
         raise ValueError(f"trainer.num_processes must be >= 1, got {t.num_processes}")
     if gps % t.num_processes:

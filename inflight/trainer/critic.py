@@ -13,8 +13,10 @@ fused CPU kernels, gradient checkpointing and LoRA of the policy's trainer (logp
 run the policy, and its "logits" [T, 1] are the values. V(s_t) of completion token t is the output at the token
 before t (the state that token was sampled in), as the policy's logprob of t is predicted there. With trainer.lora
 the critic trains an adapter of its own (same rank, alpha and targets) on its own copy of the base, plus the head in
-full; without, the whole critic. Its optimizer is AdamW at critic.lr (0: trainer.lr) with critic.weight_decay and
-the trainer's betas, schedule (stepped once per trainer step) and max_grad_norm.
+full (on FSDP2 too: critic_fsdp.py, whose rank 0 reads the weights with load_critic as init does here, so the
+adapter's init draws the same numbers); without, the whole critic. Its optimizer is AdamW at critic.lr (0:
+trainer.lr) with critic.weight_decay and the trainer's betas, schedule (stepped once per trainer step) and
+max_grad_norm.
 """
 
 from __future__ import annotations
@@ -70,6 +72,20 @@ def add_value_head(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def load_critic(model_path: str, tcfg: TrainerConfig, device: torch.device | str) -> PreTrainedModel:
+    """The causal LM at `model_path` as the critic, on `device`: the value head in place of the output embedding,
+    then for_training (trainer.lora: the adapter, the base frozen), the head trainable in full. The order fixes what
+    a LoRA adapter's init draws from the RNG (the head's Linear draws first), on the single trainer and on FSDP2's
+    rank 0 alike."""
+    model: PreTrainedModel = add_value_head(AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=attn_implementation(tcfg)))
+    head = model.get_output_embeddings()
+    model.to(device)  # type: ignore[arg-type]  # in place (see single.load_model)
+    model = for_training(model, tcfg, model_path)
+    head.requires_grad_(True)  # with LoRA only the adapter was left trainable: the head trains in full
+    return model
+
+
 class Critic:
     """Attributes: model (the HF model with the value head), optimizer, scheduler, steps (trainer steps trained)."""
 
@@ -84,12 +100,7 @@ class Critic:
         self.steps = 0
 
     def init(self) -> None:
-        model: PreTrainedModel = add_value_head(AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.tcfg)))
-        head = model.get_output_embeddings()
-        model.to(self.device)  # type: ignore[arg-type]  # in place (see single.load_model)
-        model = for_training(model, self.tcfg, self.model_path)
-        head.requires_grad_(True)  # with LoRA only the adapter was left trainable: the head trains in full
+        model = load_critic(self.model_path, self.tcfg, self.device)
         if self.device.type == "cpu":
             fuse_modules(model)
         self.model = model

@@ -8,11 +8,13 @@
 
 The model is built as FSDP2Trainer builds the policy (rank 0 reads model_path, every rank shards a meta copy with
 the same fully_shard calls and gets rank 0's values), with the value head in place of the output embedding, and its
-own AdamW over its shards. Gradients are summed over the ranks (divide factor 1) and the value loss divides by the
-token count of the whole mini-batch, so N ranks take the single trainer's optimizer steps. The checkpoint holds the
+own AdamW over its shards. With trainer.lora the build is the LoRA policy's: its own adapter on the base (frozen),
+sharded by the same calls, with the value head trained in full. Gradients are summed over the ranks (divide factor
+1) and the value loss divides by the token count of the whole mini-batch, so N ranks take the single trainer's
+optimizer steps. The checkpoint holds the
 full tensors (gathered) and the optimizer state keyed by parameter name, as the policy's train_state does: it loads
-on any number of ranks, not into the single trainer (whose optimizer state is keyed by position). trainer.lora is
-refused here: the critic's adapter is not sharded yet.
+on any number of ranks, not into the single trainer (whose optimizer state is keyed by position); with
+trainer.lora only the adapter and the head are saved (the base comes from the model path), as on the single trainer.
 """
 
 from __future__ import annotations
@@ -23,16 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from transformers import PreTrainedModel
 
 from inflight.config.critic import CriticConfig
 from inflight.config.trainer import TrainerConfig
-from inflight.trainer.critic import TRAIN_STATE, WEIGHTS, Critic, add_value_head
+from inflight.trainer.critic import TRAIN_STATE, WEIGHTS, Critic, add_value_head, load_critic
 from inflight.trainer.fsdp import FSDP2Trainer
 from inflight.trainer.optim import build_optimizer
+from inflight.trainer.weight_sync.gather import gathered
 
 BACKEND = "fsdp2"
 
@@ -42,9 +44,11 @@ class _CriticShards(FSDP2Trainer):
     save skeleton: only the sharded model and its optimizer."""
 
     def _source_model(self, device: torch.device | str) -> PreTrainedModel:
-        return add_value_head(super()._source_model(device))
+        return load_critic(self.model_path, self.cfg, device)  # as the single trainer's critic reads it
 
     def _meta_model(self) -> PreTrainedModel:
+        """The policy's meta model (with trainer.lora its adapter) with the value head, trainable; no storage: the
+        values come from rank 0's source (load_critic)."""
         return add_value_head(super()._meta_model())
 
     def _finish_init(self) -> None:
@@ -57,10 +61,6 @@ class FSDP2Critic(Critic):
     rank, world_size, cpu_group (gloo, for the CPU sums)."""
 
     def __init__(self, model_path: str, trainer: TrainerConfig, cfg: CriticConfig):
-        if trainer.lora is not None:
-            raise ValueError("algo.advantage=gae with trainer.lora runs on the single-device trainer only: the "
-                             "critic's adapter is not sharded on trainer.backend=fsdp2 (train in full, or use "
-                             "trainer.backend=single)")
         super().__init__(model_path, trainer, cfg)
         self.rank, self.world_size = 0, 1
         self.cpu_group: Any = None
@@ -87,11 +87,14 @@ class FSDP2Critic(Critic):
         return t.tolist()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Collective: the trained tensors whole, on the host (rank 0; the other ranks get an empty dict)."""
-        model = self._require_init()
-        names = {n for n, p in model.named_parameters() if p.requires_grad}
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {n: t for n, t in state.items() if n in names}  # type: ignore[misc]
+        """Collective: the trained tensors whole (gathered one at a time: a LoRA critic's frozen base never is), on
+        the host (rank 0; the other ranks get an empty dict)."""
+        out = {}
+        for name, p in self.trained_tensors().items():
+            t = gathered(p).cpu()
+            if self.rank == 0:
+                out[name] = t
+        return out
 
     def save(self, out_dir: str | Path) -> None:
         """Collective; rank 0 writes critic.safetensors (gathered) and train_state.pt (the optimizer state unsharded,

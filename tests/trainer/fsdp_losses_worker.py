@@ -6,8 +6,9 @@ DistributedTrainerLoop.step (rank 0 reads the groups of GROUPS_FILE from a Memor
 share), with the KL term's reference from REF_DIR built once by make_reference (sharded like the policy). Rank 0
 saves every config's step record, gradients, weights after the step, and (REINFORCE++, GAE) every rank's per-token
 advantages (float64, as per_token_advantages / gae_advantages returned them) with torch.save. GAE: the critic is an
-FSDP2Critic built on every rank (its head set by perturb_head, so the values are not all 0); the critic's weights
-after the step are saved too, and once its checkpoint is written, read into a fresh critic and compared.
+FSDP2Critic built on every rank (its head set by perturb_head, so the values are not all 0; with trainer.lora it
+trains its own adapter and the head); the critic's weights after the step are saved too, and once its checkpoint
+is written, read into a fresh critic and compared.
 """
 
 import os
@@ -49,6 +50,9 @@ def configs() -> list[dict]:
     out.append(dict(advantage="gae", loss="ppo", gamma=0.99, lam=0.95))
     out.append(dict(advantage="gae", loss="ppo", groups=3, critic_mini_batches=2, critic_value_clip=0.2))
     out.append(dict(advantage="gae", loss="ppo", critic_warmup_steps=1))
+    # a LoRA critic (its own adapter and the head; beside a LoRA policy) on the uneven share, 2 mini-batches (the 2nd
+    # moves the adapter's A: B is no longer 0), its checkpoint round trip
+    out.append(dict(advantage="gae", loss="ppo", lora=True, groups=3, critic_mini_batches=2))
     return out
 
 
@@ -124,10 +128,12 @@ def use_float64() -> None:
     two sum the same gradients in another order (5e-7 of the largest gradient apart), and Adam's first step,
     lr * g / (|g| + eps), magnifies that wherever |g| is near eps (5.5e-5 on one weight at lr 1e-3); float64 leaves
     only what the two implementations do differently."""
-    from inflight.trainer import fsdp
+    from inflight.trainer import critic_fsdp, fsdp
 
     real_load, real_meta = fsdp.load_model, fsdp.FSDP2Trainer._meta_model
+    real_critic = critic_fsdp.load_critic
     fsdp.load_model = lambda *a, **k: real_load(*a, **k).double()  # rank 0's source of the values
+    critic_fsdp.load_critic = lambda *a, **k: real_critic(*a, **k).double()  # the critic's (its head first)
     fsdp.FSDP2Trainer._meta_model = lambda self: real_meta(self).double()  # the shards' dtype  # type: ignore
 
 
@@ -204,6 +210,7 @@ def main(policy_dir: str, ref_dir: str, groups_file: str, run_dir: str, out: str
         critic = None
         if is_gae(algo):  # collective: every rank builds its shard
             critic = FSDP2Critic(policy_dir, cfg.trainer, cfg.critic)
+            torch.manual_seed(1)  # a LoRA critic's adapter A (rank 0 draws it, as the single-process side does)
             critic.init()
             assert all(hasattr(p, "full_tensor") and p.dtype == torch.float64 for p in critic.model.parameters())
             perturb_head(critic)

@@ -149,8 +149,10 @@ def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path, monkeypatch):
     its head seeded so values are not 0): the policy as above, GAE's per-token advantages within 1e-9, the critic's
     value loss, grad norm, explained variance and weights after its update within 1e-5, on 4 groups, on 3 (an uneven
     share, 2 critic mini-batches that cut across the ranks' shares; its checkpoint read back into a fresh FSDP2
-    critic exactly) and on a warm-up step (the policy unchanged on both sides). Measured: GAE advantages 6.7e-16, value
-    loss 2.3e-9, critic grad norm 3.6e-8, critic weights 8.8e-7."""
+    critic exactly), on a warm-up step (the policy unchanged on both sides), and as a LoRA critic (its own adapter and
+    the head, sharded like the LoRA policy: uneven share, 2 mini-batches, the checkpoint round trip). Measured: GAE
+    advantages 6.7e-16, value loss 2.3e-9, critic grad norm 3.6e-8, critic weights 8.8e-7 (the LoRA critic: 0,
+    2.1e-9, 4.2e-9)."""
     import msgpack
 
     from inflight.report.metrics import MetricsLogger
@@ -197,6 +199,7 @@ def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path, monkeypatch):
         critic = None
         if is_gae(algo):
             critic = Critic(str(policy_dir), cfg.trainer, cfg.critic)
+            torch.manual_seed(1)  # the LoRA critic's adapter A, as rank 0 drew it
             critic.init()
             critic.model.double()  # in place, as the policy
             perturb_head(critic)
@@ -234,6 +237,9 @@ def test_fsdp2_every_loss_equals_single(tiny_model_dir, tmp_path, monkeypatch):
                 worst["critic_weights"] = max(worst["critic_weights"], diff)
                 assert diff <= 1e-5, (algo, n, diff)
             assert all(not torch.equal(c_after[n], critic_before[n]) for n in c_after), algo  # the body trains too
+            if algo.get("lora"):  # its own adapter (A and B of every adapted layer) and the head; the base frozen
+                assert all(".lora_" in n or n.startswith("lm_head") for n in c_after) and len(c_after) > 4, algo
+                assert {"lm_head.weight", "lm_head.bias"} <= set(c_after), algo
             if algo.get("groups") == 3:  # the checkpoint, read into a fresh FSDP2 critic: exactly what was saved
                 r = fsdp["resumed"]
                 assert r["weights"] == 0.0 and r["optimizer"] == 0.0 and r["scheduler"], r
