@@ -38,15 +38,15 @@ def pytest_xdist_make_scheduler(config, log):
     return FileOrFolder(config, log)
 
 
-def _build_tiny_model(out: Path, tied: bool = False) -> Path:
+def _build_tiny_model(out: Path, tied: bool = False, extra_chars: str = "", positions: int = 512) -> Path:
     """A 'Qwen2-style' tiny LM (llama architecture, untied head unless `tied`) + char-level tokenizer with a chat
-    template."""
+    template; `extra_chars` join the vocabulary (after the usual ones); `positions`: its context."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    chars = list("0123456789+-*=()/ .,?:\\{}abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n")
+    chars = list("0123456789+-*=()/ .,?:\\{}abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n" + extra_chars)
     vocab = {t: i for i, t in enumerate(specials + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
@@ -62,7 +62,7 @@ def _build_tiny_model(out: Path, tied: bool = False) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied,
+        num_key_value_heads=2, max_position_embeddings=positions, tie_word_embeddings=tied,
         pad_token_id=vocab["<|pad|>"], eos_token_id=vocab["<|im_end|>"], bos_token_id=None,
     )
     model = LlamaForCausalLM(config)
@@ -81,6 +81,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tied_model_dir(tmp_path_factory) -> Path:
     """As tiny_model_dir, with tie_word_embeddings: lm_head.weight is model.embed_tokens.weight."""
     return _build_tiny_model(tmp_path_factory.mktemp("tied_model"), tied=True)
+
+
+@pytest.fixture(scope="session")
+def json_model_dir(tmp_path_factory) -> Path:
+    """As tiny_model_dir, with the characters JSON and Hermes tool calls need (quotes, brackets, <, >, _) in its
+    vocabulary, and 2,048 positions (a tools prompt of the chatml_tools template is ~500 characters): structured
+    outputs (grammar-constrained decoding) can write any JSON and tool call with it."""
+    return _build_tiny_model(tmp_path_factory.mktemp("json_model"), extra_chars='"[]<>_|!#$%&\'@^`~;', positions=2048)
 
 
 REPO = Path(__file__).resolve().parents[1]

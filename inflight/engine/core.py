@@ -12,6 +12,8 @@ llama / qwen2 models run through our own forward (llama_runner.py); any other ca
 Logprobs: see sampling.py. In short, the log-probability under the distribution the token was sampled from
 (after temperature and top-k/top-p renormalisation); for greedy (temperature 0), the temperature-1 logprob.
 A stop token (stop_token_ids, or EOS unless ignore_eos) is emitted as the last token, with finish_reason "stop".
+Structured outputs (SamplingParams.structured, grammar.py): a constrained choice samples from logits masked by its
+grammar (the rest of the batch decodes freely) and ends with "stop" once its grammar is complete.
 An aborted choice (abort(), a cancelled consumer, stop()) ends with an event of token_id -1, finish_reason "abort".
 `generate(..., stream=False)` holds a request's events on the engine thread and hands them over once, when its
 last choice ends: a consumer that only wants the whole completion is not woken once per step.
@@ -37,10 +39,8 @@ attention (decode_attention.py); sampling and stop checks run on the device (dev
 step. The runner is then pinned: weight updates copy in place, so the graphs stay valid.
 
 Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
-full-precision master (param_specs, the wire format of updates), and the runner re-derives its bf16 / int8 /
-oneDNN-packed float32 weights from it in load_weights, inside the same pause, once per update. On the fast path
-the HF parameters are views of fused q/k/v and gate/up matrices: change weights only in place (load_weights),
-never by rebinding `.data`.
+full-precision master; on the fast path its parameters are views of fused matrices: change them only in place
+(load_weights), never by rebinding `.data`.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ from inflight.engine.model import precision
 from inflight.engine.scheduler import schedule
 from inflight.engine.scheduler import step
 from inflight.engine.model.device_sampling import DeviceSampler
+from inflight.engine.model.grammar import Grammars
 from inflight.engine.model.graph_runner import DecodeGraphs, graphs_enabled
 from inflight.engine.model.hf_runner import HFRunner
+from inflight.engine.scheduler.mailbox import Mailbox
 from inflight.engine.scheduler.prefix_cache import Slots
 from inflight.engine.model.sampling import SamplingParams
 from inflight.engine.scheduler.sequence import Request as _Request, Seq as _Seq, TokenEvent, VersionNotReached
@@ -80,6 +82,7 @@ T = TypeVar("T")
 
 class InferenceEngine:
     scores_prompts = True  # computes prompt logprobs (SamplingParams.prompt_logprobs, prompt_scores.py)
+    constrains_outputs = True  # grammar-constrained decoding (SamplingParams.structured, grammar.py)
 
     def __init__(self, model_path: str, settings: EngineSettings | None = None, *, device: str = "cpu",
                  device_sampling: bool | None = None, **overrides: Any):
@@ -130,6 +133,8 @@ class InferenceEngine:
         self._params = dict(self.model.named_parameters())  # tied aliases left out: updates never name them
         self.tied_aliases = tied_aliases(self.model)  # e.g. lm_head.weight -> model.embed_tokens.weight
         self.version = 0
+        self._grammars: Grammars | None = None  # structured outputs (grammar.py), made by the first that needs them
+        self._grammars_lock = threading.Lock()
         # state owned by the engine thread; finished sequences' slots kept for prefix reuse (the HF runner cannot
         # shorten its caches: there only a sequence's whole KV is reused)
         self._slots = Slots(max_batch, self.runner.reset_slot, s.prefix_reuse, exact_only=not self.fast_path)
@@ -139,8 +144,7 @@ class InferenceEngine:
         self._by_id: dict[str, _Request] = {}
         self._rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
         self._out: dict[_Request, list[TokenEvent]] = {}
-        self._mail: dict = {}  # consumer loop -> {queue: events} not yet handed over
-        self._mail_lock = threading.Lock()
+        self._mailbox = Mailbox()  # this step's events to the consumers' loops
         # cross-thread inboxes
         self._cv = threading.Condition()
         self._inbox: collections.deque[_Request] = collections.deque()
@@ -182,6 +186,15 @@ class InferenceEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         params.check(self.max_batch)
+        if params.structured is not None:
+            self.grammars().compile(params.structured)  # cached: the request's grammar is valid
+
+    def grammars(self) -> Grammars:
+        """The engine's compiled grammars and matchers (grammar.py), made on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammars
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                        stream: bool = True, min_version: int = 0,
@@ -193,6 +206,9 @@ class InferenceEngine:
         deadline = float("inf") if version_wait_s is None else time.monotonic() + version_wait_s
         req = _Request(request_id, list(prompt_ids), params, stop_ids, asyncio.get_running_loop(), asyncio.Queue(),
                        stream, min_version, deadline)
+        if params.structured is not None:
+            grammars, compiled = self.grammars(), self.grammars().compile(params.structured)
+            req.new_matcher = lambda: grammars.matcher(compiled)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("engine is stopped")
@@ -391,29 +407,9 @@ class InferenceEngine:
         (self._out.setdefault(req, []) if req.held is None else req.held).append(ev)
 
     def _flush(self) -> None:
-        """Hand this step's events to the consumers' loops. While a loop has not yet run the previous hand-over,
-        new events join it: a busy consumer then wakes once per several tokens instead of once per token."""
+        """Hand this step's events to the consumers (mailbox.py)."""
         out, self._out = self._out, {}
-        wake = []
-        with self._mail_lock:
-            for req, evs in out.items():
-                box = self._mail.get(req.loop)
-                if box is None:
-                    box = self._mail[req.loop] = {}
-                    wake.append(req.loop)
-                box.setdefault(req.queue, []).extend(evs)
-        for loop in wake:
-            try:
-                loop.call_soon_threadsafe(self._deliver, loop)
-            except RuntimeError:  # the consumer's loop is closed
-                with self._mail_lock:
-                    self._mail.pop(loop, None)
-
-    def _deliver(self, loop) -> None:  # runs on the consumer's loop
-        with self._mail_lock:
-            box = self._mail.pop(loop, {})
-        for queue, evs in box.items():
-            queue.put_nowait(evs)
+        self._mailbox.send(out)
 
     def _finish_request(self, req: _Request) -> None:
         if req.held:
@@ -484,7 +480,7 @@ class InferenceEngine:
         if len(rows) != sum(want):  # choices sharing a row, or rows left out
             logits = logits[torch.tensor(rows, device=logits.device)]
         events = step.sample_next(logits, sampled, self._rng, self.sampler, self.runner.kernels, self.max_model_len,
-                                  version)
+                                  version, self._grammars)
         finished, now = False, time.monotonic()
         for s, ev in zip(sampled, events):
             _stamp(ev, s, now)

@@ -59,6 +59,20 @@ def test_conformance_suite(vllm_server):
     assert_conformance(vllm_server.url)
 
 
+def test_structured_outputs_are_a_400_on_this_backend(vllm_server):
+    """Our routes over vLLM do not constrain outputs (the built-in engine does): asking is a 400 naming the field,
+    never a reply that silently ignores the constraint."""
+    name = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]["id"]
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+                         ({"guided_choice": ["a", "b"]}, "guided_choice")):
+        r = httpx.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": name, "messages": MSG, "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "built-in engine" in err["message"], err
+
+
 def test_weight_updates_file_and_process_group(vllm_server, hf_model, vllm_model_dir):
     from inflight.trainer.weight_sync.inflight import WeightSyncClient
 

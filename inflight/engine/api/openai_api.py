@@ -5,6 +5,7 @@ validated, and fields we cannot honour (penalties, logit_bias, echo in chat) are
 value, so a client never silently gets something other than what it asked for. Tools (`tools`, `tool_choice`,
 `parallel_tool_calls`, assistant `tool_calls`, `tool` messages) are checked here; what the chat template makes of
 them is the route's (routes_openai.py, chat_template.py, tool_parser.py).
+Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are read by structured.py.
 Prompt logprobs (`echo` + `logprobs`, vLLM's `prompt_logprobs`) come from the engine's PromptScores
 (prompt_scores.py); `prompt_fields` lays them out in the response.
 Responses are plain dicts (1,000 concurrent requests: no need for a second validation pass on the way out).
@@ -17,6 +18,8 @@ import time
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from inflight.engine.api.structured import StructuredFields
 
 MAX_TOP_LOGPROBS = 20
 
@@ -115,8 +118,8 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Lenient):
-    """Fields shared by chat and text completions."""
+class _Sampling(StructuredFields):
+    """Fields shared by chat and text completions (the structured-output ones in structured.py)."""
 
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)

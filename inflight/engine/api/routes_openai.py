@@ -21,6 +21,8 @@ from inflight.engine.api.guards import Admission
 from inflight.engine.api.http_errors import Auth, BadRequest
 from inflight.engine.api.metrics import ServerMetrics
 from inflight.engine.api.prompts import Prompts
+from inflight.engine.api.structured import tool_call_spec
+from inflight.engine.model.grammar import GrammarSpec
 from inflight.engine.scheduler.request import Choice, Generation
 from inflight.engine.model.sampling import SamplingParams
 from inflight.engine.api.tool_parser import CLOSE, HermesStream, Parsed, call_dict, parse_hermes
@@ -57,7 +59,8 @@ class Releasing(StreamingResponse):
 
 class ToolUse:
     """How one chat request's reply is read for tool calls: `parse` (a parser reads it), the request's tool names,
-    and the text the server wrote at the start of the reply to force a call (tool_choice required / a function)."""
+    and the text the server wrote at the start of the reply to force a call (tool_choice required / a function),
+    with the grammar the rest of the reply then follows (`grammar`: the call's format and its arguments' schema)."""
 
     def __init__(self, req: oa.ChatCompletionRequest, abilities: TemplateAbilities):
         self.names = req.tool_names
@@ -68,6 +71,10 @@ class ToolUse:
                              "the reply as text)", "tool_choice")
         forced = req.choice in ("required", "named")
         self.opening = abilities.call_opening(req.forced_function) if forced else ""
+        self.grammar: GrammarSpec | None = None
+        if forced:
+            functions = [t.function.for_template() for t in req.tools or []]
+            self.grammar = tool_call_spec(functions, req.forced_function, req.parallel_tool_calls)
         # one call only: the reply ends with it (the stop string is cut from the text; the parser accepts the
         # block left open by a model that ended there)
         self.stops = [CLOSE] if self.parse and (req.choice == "named" or not req.parallel_tool_calls) else []
@@ -158,6 +165,7 @@ class OpenAIRoutes:
         else:
             prompt_ids = await self.prompts.text(req)  # type: ignore[arg-type]
         params = self.sampling(req, prompt_ids)
+        params.structured = await self.structured(req, tools)
         want_lp = req.logprobs is not None and req.logprobs is not False
         release = self.admission.reserve(req.n)  # after validation: a bad request is a 400, never a 429
         handed_over = False  # to the streaming response, which releases when it ends
@@ -213,6 +221,29 @@ class OpenAIRoutes:
             top_logprobs=req.num_top_logprobs, ignore_eos=req.ignore_eos,
             priority=req.priority, prompt_logprobs=req.prompt_score_k,
         )
+
+    async def structured(self, req: OpenAIRequest, tools: ToolUse | None) -> GrammarSpec | None:
+        """The constraint the request puts on its output (structured.py), compiled once here (on a worker thread: a
+        new JSON schema takes up to ~0.5 s) so that a bad one is a 400 naming the problem."""
+        spec, param = req.structured_spec(), req.structured_param
+        can = getattr(self.engine, "constrains_outputs", False)
+        if tools is not None and tools.grammar is not None:
+            if spec is not None:
+                raise BadRequest(f"tool_choice constrains the reply to a tool call: it cannot be combined with {param} "
+                                 "(one structured output constraint per request)", "tool_choice")
+            if not can:  # an engine without grammars (vLLM backend): the forced opening only, as before
+                return None
+            spec, param = tools.grammar, "tool_choice"
+        if spec is None:
+            return None
+        if not can:
+            raise BadRequest(f"this engine does not constrain outputs ({param}): structured outputs need the "
+                             "built-in engine", param)
+        try:
+            await asyncio.to_thread(self.engine.grammars().compile, spec)
+        except ValueError as e:
+            raise BadRequest(f"{param}: {e}", param) from e
+        return spec
 
     def check_lengths(self, req: OpenAIRequest, prompt_ids: list[int]) -> int:
         """The tokens the request may generate: its max_tokens, or the rest of the context; 400 when the prompt
@@ -309,6 +340,10 @@ class OpenAIRoutes:
         else:
             body["text"] = ch.text
         body.update(logprobs=lp, finish_reason=finish, token_ids=ids, token_versions=ch.versions[sl])
+        if reply.gen.params.structured is not None:
+            body["token_constrained"] = ch.constrained[sl]
+            if reply.want_lp:
+                body["token_raw_logprobs"] = ch.raw_logprobs[sl]
         body["prompt_token_ids"] = reply.gen.prompt_ids
         return body
 
@@ -327,6 +362,10 @@ class OpenAIRoutes:
         else:
             body["text"] = delta
         body.update(logprobs=lp, finish_reason=finish, token_ids=ids, token_versions=ch.versions[new])
+        if reply.gen.params.structured is not None:
+            body["token_constrained"] = ch.constrained[new]
+            if reply.want_lp:
+                body["token_raw_logprobs"] = ch.raw_logprobs[new]
         if new.start == 0:
             body["prompt_token_ids"] = reply.gen.prompt_ids
         return body

@@ -3,6 +3,8 @@
 Logprob convention (the `mu` logprobs an RL trainer uses as behaviour policy):
 - temperature > 0: log-probability under the distribution actually sampled from: logits / temperature,
   restricted to the top-k and top-p (nucleus) set, renormalised over that set.
+- a constrained sequence (SamplingParams.structured, grammar.py): the same, with the tokens its grammar does not
+  allow next masked out of the logits first, so the logprob is under the masked distribution it was drawn from.
 - temperature == 0 (greedy): the token is the argmax and its logprob is the plain temperature-1 log-softmax
   (top-k / top-p ignored), since the "sampled" distribution would be a point mass (logprob 0). A temperature
   below GREEDY_BELOW is greedy too (as vLLM): logits / 1e-39 overflow float32 to inf, whose softmax is NaN.
@@ -19,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from inflight.engine.model.grammar import GrammarSpec
 
 MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
@@ -37,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0  # admission order among waiting requests: lower first, then arrival
     prompt_logprobs: int | None = None  # score the prompt (prompt_scores.py) with this many alternatives
+    structured: GrammarSpec | None = None  # the output must match it: grammar-constrained decoding (grammar.py)
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:  # every sampler reads the field: one place makes them all greedy

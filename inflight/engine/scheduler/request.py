@@ -18,6 +18,8 @@ class Choice:
         self.logprobs: list[float] = []
         self.tops: list[list[tuple[int, float]]] = []
         self.versions: list[int] = []
+        self.constrained: list[bool] = []  # per token: drawn from its grammar's masked distribution
+        self.raw_logprobs: list[float | None] = []  # per token: a constrained one's logprob without the mask
         self.finish_reason: str | None = None
         self.text = ""
         self.sent = 0  # characters already streamed
@@ -78,6 +80,8 @@ class Generation:
                     ch.token_ids.append(ev.token_id)
                     ch.logprobs.append(float(ev.logprob))
                     ch.versions.append(int(ev.version))
+                    ch.constrained.append(ev.constrained)
+                    ch.raw_logprobs.append(ev.raw_logprob)
                     if ev.top_logprobs is not None:
                         ch.tops.append([(int(t), float(v)) for t, v in ev.top_logprobs])
                     if self.incremental:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +26,8 @@ class TokenEvent:
     prompt: PromptScores | None = None  # on choice 0's first event, when the request scores its prompt
     time: float = 0.0  # time.monotonic() when its step sampled it (0.0: not stamped); the server's metrics
     scheduled: float | None = None  # on choice 0's first event from a step: when the request was first scheduled
+    constrained: bool = False  # drawn from a grammar-masked distribution (SamplingParams.structured, grammar.py)
+    raw_logprob: float | None = None  # a constrained token's logprob without the mask (step.raw_logprobs)
 
 
 class Request:
@@ -37,11 +40,12 @@ class Request:
         self.unfinished = params.n
         self.held: list[TokenEvent] | None = None if stream else []  # events kept until the request ends
         self.scheduled = 0.0  # time.monotonic() when it got its KV slots (0.0: not yet)
+        self.new_matcher: Callable[[], Any] | None = None  # a constrained request: makes each choice's matcher
 
 
 class Seq:
     __slots__ = ("req", "index", "slot", "tokens", "num_cached", "kv_version", "n_gen", "gen", "active",
-                 "split_pending", "done", "scores")
+                 "split_pending", "done", "scores", "matcher")
 
     def __init__(self, req: Request, index: int, slot: int, num_cached: int = 0, kv_version: int | None = None):
         self.req, self.index, self.slot = req, index, slot
@@ -56,3 +60,4 @@ class Seq:
         self.done = False
         k = req.params.prompt_logprobs  # choice 0 prefills the prompt, so it scores it
         self.scores = PromptScores(req.prompt, k) if k is not None and index == 0 else None
+        self.matcher = req.new_matcher() if req.new_matcher is not None else None  # its grammar's state (grammar.py)

@@ -16,6 +16,7 @@ import torch
 from inflight.engine.model import prompt_scores
 from inflight.engine.model.cpu_kernels import Kernels
 from inflight.engine.model.device_sampling import CONTINUE, LENGTH, STOP, DeviceSampler
+from inflight.engine.model.grammar import Grammars, advance
 from inflight.engine.model.graph_runner import DecodeGraphs
 from inflight.engine.model.sampling import sample
 from inflight.engine.scheduler.sequence import Seq, TokenEvent
@@ -132,12 +133,20 @@ def forward(runner: Runner, graphs: DecodeGraphs | None, device: torch.device, c
 
 
 def sample_next(logits: torch.Tensor, seqs: list[Seq], rng: torch.Generator, sampler: DeviceSampler | None,
-                kernels: Kernels | None, max_model_len: int, version: int) -> list[TokenEvent]:
+                kernels: Kernels | None, max_model_len: int, version: int,
+                grammars: Grammars | None = None) -> list[TokenEvent]:
     """The next token of each of `seqs` (row i of `logits` for seqs[i]), appended to it, and its event; the event's
-    finish_reason is set when the sequence ends with it (a stop id, max_tokens, or the context is full). Seeded
-    sequences draw from their own generator, the others from `rng`. Choice 0's first event carries its prompt
-    scores."""
+    finish_reason is set when the sequence ends with it (a stop id, max_tokens, the context is full, or its grammar
+    is complete). Constrained sequences (a matcher) sample from their row masked by `grammars` (grammar.py), the
+    others from theirs as it is. Seeded sequences draw from their own generator, the others from `rng`. Choice 0's
+    first event carries its prompt scores."""
     ps = [s.req.params for s in seqs]
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    raw_rows = None  # the constrained rows' logprobs without the mask
+    if constrained:
+        assert grammars is not None, "a constrained sequence needs the engine's grammars"
+        raw_rows = raw_logprobs(logits, constrained, [ps[i].temperature for i in constrained])
+        grammars.mask_logits(logits, constrained, [seqs[i].matcher for i in constrained])
     dev = logits.device
     u = torch.rand(len(seqs), generator=rng)
     for i, s in enumerate(seqs):
@@ -155,6 +164,10 @@ def sample_next(logits: torch.Tensor, seqs: list[Seq], rng: torch.Generator, sam
         tokens, logprobs, top = sample(logits, temp, top_p, top_k, u.to(dev), num_top, filtered, kernels)
         tok_l, lp_l = tokens.tolist(), logprobs.tolist()
         top_v, top_i = (top[0].tolist(), top[1].tolist()) if top is not None else (None, None)
+    raw: dict[int, float] = {}  # constrained row -> its token's raw logprob
+    if raw_rows is not None:
+        picked = torch.tensor([tok_l[i] for i in constrained], device=raw_rows.device)
+        raw = dict(zip(constrained, raw_rows.gather(1, picked[:, None])[:, 0].tolist()))
     events = []
     for i, (s, tok, lp, p) in enumerate(zip(seqs, tok_l, lp_l, ps)):
         s.tokens.append(tok)
@@ -170,8 +183,18 @@ def sample_next(logits: torch.Tensor, seqs: list[Seq], rng: torch.Generator, sam
             reason = "stop"
         elif s.n_gen >= p.max_tokens or len(s.tokens) >= max_model_len:
             reason = "length"
-        ev = TokenEvent(s.index, tok, lp, version, tl, reason)
+        if s.matcher is not None and advance(s.matcher, tok):
+            reason = "stop"  # the grammar is complete (or could not go on)
+        ev = TokenEvent(s.index, tok, lp, version, tl, reason, constrained=s.matcher is not None,
+                        raw_logprob=raw.get(i))
         if s.scores is not None:  # choice 0's first token: its prompt is scored by now
             ev.prompt, s.scores = s.scores, None
         events.append(ev)
     return events
+
+
+def raw_logprobs(logits: torch.Tensor, rows: list[int], temperature: list[float]) -> torch.Tensor:
+    """log_softmax(logits / temperature) of `rows` (temperature 1 where greedy), before any grammar mask: a
+    constrained token's raw logprob, what the model alone gave it (top-k / top-p not applied)."""
+    t = torch.tensor([x if x > 0 else 1.0 for x in temperature], dtype=torch.float32, device=logits.device)
+    return torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float() / t[:, None], dim=-1)
