@@ -402,12 +402,13 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     plots.mkdir(parents=True, exist_ok=True)
     rows = [summary(r) for r in runs]
     cols = list(dict.fromkeys(c for row in rows for c in row))  # a run without dynamic sampling lacks its columns
-    table = "<tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr>"
+    # headers may break after an underscore, and a table still wider than the window scrolls in its own box
+    table = "<tr>" + "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in cols) + "</tr>"
     for row in rows:
         cells = "".join(f"<td>{html.escape(str(round(v, 1) if isinstance(v, float) else v))}</td>"
                         for v in (row.get(c, "") for c in cols))
         table += f"<tr>{cells}</tr>"
-    body = [f"<h1>inflight report: {html.escape(', '.join(r.name for r in runs))}</h1>", f"<table>{table}</table>"]
+    body = [f"<h1>inflight report: {html.escape(', '.join(r.name for r in runs))}</h1>", f"<div class='wide'><table>{table}</table></div>"]
     if importlib.util.find_spec("matplotlib") is None:  # a machine without it still gets the tables
         body.append("<p>No plots: matplotlib is not installed (<code>pip install matplotlib</code>, then "
                     "<code>inflight report RUN_DIR</code>).</p>")
@@ -424,7 +425,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
             body.append(f"<h2>config: {html.escape(run.name)}</h2><pre>{html.escape(cfg.read_text())}</pre>")
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:3px 8px}img{max-width:100%}.note{color:#555;font-size:90%}"
-             "td.reply{font-family:monospace;white-space:pre-wrap}.correct{background:#e6f4e6}.cut{background:#fbe9e7}")
+             ".wide{overflow-x:auto}td.reply{font-family:monospace;white-space:pre-wrap}.correct{background:#e6f4e6}.cut{background:#fbe9e7}")
     path = out / "report.html"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>inflight report</title>"
                     f"<style>{style}</style></head><body>{''.join(body)}</body></html>")

@@ -56,6 +56,9 @@ def test_report_single_and_compare(tmp_path):
     for png in ("accuracy", "reward", "lag_hist", "server_throughput", "pause", "trainer"):
         assert (a / "plots" / f"{png}.png").stat().st_size > 1000
         assert f"plots/{png}.png" in html
+    # the summary's headers break after an underscore (the demo's 14 columns fit a 1300-px window, checked in
+    # headless Chromium) and a still wider table scrolls in its own box, not the page
+    assert "<div class='wide'><table><tr><th>run</th>" in html and "<th>last_<wbr>accuracy</th>" in html
     s = summary(Run(a))
     assert s["steps"] == 6 and s["samples"] == 192 and s["lag_max"] == 1
     assert abs(s["first_accuracy"] - 100 * (0.3 + 0.4 * 2 / 6)) < 1e-9
