@@ -11,10 +11,10 @@ the same fully_shard calls and gets rank 0's values), with the value head in pla
 own AdamW over its shards. With trainer.lora the build is the LoRA policy's: its own adapter on the base (frozen),
 sharded by the same calls, with the value head trained in full. Gradients are summed over the ranks (divide factor
 1) and the value loss divides by the token count of the whole mini-batch, so N ranks take the single trainer's
-optimizer steps. The checkpoint holds the
-full tensors (gathered) and the optimizer state keyed by parameter name, as the policy's train_state does: it loads
-on any number of ranks, not into the single trainer (whose optimizer state is keyed by position); with
-trainer.lora only the adapter and the head are saved (the base comes from the model path), as on the single trainer.
+optimizer steps. The checkpoint holds the trained tensors whole (gathered) and the optimizer state keyed by
+parameter name, as the policy's train_state does: it loads on any number of ranks, not into the single trainer
+(whose optimizer state is keyed by position); with trainer.lora only the adapter and the head are saved (the base
+comes from the model path), as on the single trainer.
 """
 
 from __future__ import annotations
