@@ -1,5 +1,5 @@
 """Size limits of inflight/ and inflight_plan/, so that each part stays readable: no folder of more than 15 modules,
-no function over 120 lines, no module over 520 lines, contracts.py at most 250 lines, and docs/benchmarks.md (the
+no function over 120 lines, no module over 500 lines, contracts.py at most 250 lines, and docs/benchmarks.md (the
 current figure of each measurement only) at most 600 lines. Each check reports every offender, with its size."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ PACKAGES = (PACKAGE, ROOT / "inflight_plan")  # the runtime and the planner besi
 
 MAX_MODULES_PER_FOLDER = 15  # __init__.py not counted
 MAX_FUNCTION_LINES = 120
-MAX_MODULE_LINES = 520
+MAX_MODULE_LINES = 500
 MAX_CONTRACTS_LINES = 250
 MAX_BENCHMARKS_DOC_LINES = 600
 
@@ -51,7 +51,7 @@ def test_no_function_is_longer_than_120_lines():
     assert [long_functions(p) for p in PACKAGES] == [{}, {}]
 
 
-def test_no_module_is_longer_than_520_lines():
+def test_no_module_is_longer_than_500_lines():
     assert [long_modules(p) for p in PACKAGES] == [{}, {}]
 
 

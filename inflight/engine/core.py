@@ -34,13 +34,11 @@ on the engine thread until the weights reach v, and admits it in the same loop t
 (an RL actor can send a step's requests before the weights they need exist); after `version_wait_s` it fails with
 VersionNotReached instead.
 
-CUDA (`cuda_graphs`, graph_runner.py): pure decode steps replay a CUDA graph per batch bucket, with live-length
-attention (decode_attention.py); sampling and stop checks run on the device (device_sampling.py), one copy back per
-step. The runner is then pinned: weight updates copy in place, so the graphs stay valid.
+CUDA (`cuda_graphs`, graph_runner.py): pure decode steps replay a CUDA graph per batch bucket (weight updates copy in
+place, so the graphs stay valid); sampling and stop checks run on the device (device_sampling.py).
 
-Precision: `generator_precision` (precision.py) sets what the forward computes with; the HF model stays the
-full-precision master; on the fast path its parameters are views of fused matrices: change them only in place
-(load_weights), never by rebinding `.data`.
+Precision (precision.py): the HF model stays the full-precision master; its parameters (on the fast path, views of
+fused matrices) change only in place (load_weights), never by rebinding `.data`.
 """
 
 from __future__ import annotations

@@ -12,14 +12,13 @@ import threading
 import httpx
 import jsonschema
 import numpy as np
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.engine.model.grammar import Grammars, GrammarSpec
 from tests.servers import model_of, openai_error, serve_model
-
-openai = pytest.importorskip("openai")
 
 SCHEMAS = [
     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 0, "maximum": 999}},

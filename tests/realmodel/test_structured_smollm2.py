@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # the real model, ~135M parameters on 2 cores
 
 WEATHER = {"type": "function", "function": {
